@@ -1,0 +1,9 @@
+"""Federated algorithms, each a bundle of pure functions (``core.types.Algorithm``)."""
+from bfedjax.algorithms.fedavg import fedavg
+from bfedjax.algorithms.fedcurv import fedcurv
+from bfedjax.algorithms.fedprox import fedprox
+from bfedjax.algorithms.fola import FolaConfig, fola
+
+ALGORITHMS = {"fedavg": fedavg, "fedprox": fedprox, "fedcurv": fedcurv, "fola": fola}
+
+__all__ = ["ALGORITHMS", "FolaConfig", "fedavg", "fedcurv", "fedprox", "fola"]

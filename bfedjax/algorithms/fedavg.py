@@ -1,0 +1,33 @@
+"""FedAvg (McMahan et al.): local SGD, server takes the pi-weighted mean (FOLA Eq. 6)."""
+from __future__ import annotations
+
+from bfedjax.algorithms.local_sgd import make_sgd_client
+from bfedjax.core.types import Algorithm
+from bfedjax.posteriors.aggregation import weighted_mean
+
+
+def params_server_init(params):
+    return {"params": params}
+
+
+def params_message(local, ctx):
+    """Send the local weights; no persistent state."""
+    del ctx
+    return {"params": local.params}, ()
+
+
+def mean_server_update(server, messages, weights, hparams):
+    del server, hparams
+    return {"params": weighted_mean(messages["params"], weights)}
+
+
+def fedavg(model, *, lr: float = 0.01, local_epochs: int = 1, batch_size: int = 32,
+           clip_norm: float | None = 10.0, momentum: float = 0.0) -> Algorithm:
+    """FedAvg with local SGD (FOLA authors' baseline: clip 10, no momentum)."""
+    client_init, client_step = make_sgd_client(model, clip_norm=clip_norm, momentum=momentum)
+    return Algorithm(
+        name="fedavg", model=model,
+        server_init=params_server_init, client_init=client_init, client_step=client_step,
+        client_final=params_message, server_update=mean_server_update,
+        global_params=lambda server: server["params"],
+        local_epochs=local_epochs, batch_size=batch_size, hparams={"lr": lr, "lam": 0.0})

@@ -1,0 +1,82 @@
+"""FedCurv (Shoham et al. 2019), in two forms.
+
+``variant="authors"`` (default; as the FOLA authors ran it): local loss
+CE + lam/2 * sum (omega_S / r) (theta - theta_S)^2 with clip 10; after local
+training a one-pass offline Fisher omega_n at the final weights; the server
+sends theta_S = sum pi_n theta_n and omega_S = sum pi_n omega_n.
+
+``variant="leave_one_out"`` (Shoham et al.): client n is pulled towards every
+*other* client's last model with that client's Fisher,
+lam/2 * sum_{k != n} omega_k (theta - theta_k)^2, which equals a quadratic with
+precision U - u_n and centre (V - v_n) / (U - u_n), where the server keeps
+U = sum_k omega_k and V = sum_k omega_k * theta_k over every client's latest
+upload and each client remembers its own (u_n, v_n) as persistent state.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from bfedjax.algorithms.local_sgd import make_sgd_client
+from bfedjax.core.engine import apply_fn_of
+from bfedjax.core.tree import tree_sub, tree_zeros_like, weighted_sum
+from bfedjax.core.types import Algorithm
+from bfedjax.laplace.fisher import offline_fisher
+from bfedjax.posteriors.aggregation import weighted_mean
+
+VARIANTS = ("authors", "leave_one_out")
+
+
+def fedcurv(model, *, lam: float = 100.0, lr: float = 0.01, local_epochs: int = 1, batch_size: int = 32,
+            variant: str = "authors", estimator: str = "batch_mean_sq", clip_norm: float | None = 10.0,
+            eps: float = 1e-8, momentum: float = 0.0) -> Algorithm:
+    if variant not in VARIANTS:
+        raise ValueError(f"FedCurv variant={variant!r}; choose one of {VARIANTS}")
+    apply_fn = apply_fn_of(model)
+    loo = variant == "leave_one_out"
+
+    def prior(ctx):
+        server = ctx.server
+        if not loo:
+            r = ctx.hparams["round"].astype(jnp.float32)
+            return server["params"], jax.tree.map(lambda w: w / r, server["precision"])
+        own_u, own_v = ctx.persistent["u"], ctx.persistent["v"]
+        precision = jax.tree.map(lambda u, o: jnp.maximum(u - o, 0.0), server["u_sum"], own_u)
+        center = jax.tree.map(lambda v, o, p: (v - o) / (p + eps), server["v_sum"], own_v, precision)
+        return center, precision
+
+    client_init, client_step = make_sgd_client(model, prior_fn=prior, clip_norm=clip_norm, momentum=momentum)
+
+    def client_final(local, ctx):
+        fisher = offline_fisher(apply_fn, local.params, ctx.data, batch_size, estimator)
+        if not loo:
+            return {"params": local.params, "precision": fisher}, ()
+        v = jax.tree.map(jnp.multiply, fisher, local.params)
+        message = {"params": local.params,
+                   "delta_u": tree_sub(fisher, ctx.persistent["u"]),
+                   "delta_v": tree_sub(v, ctx.persistent["v"])}
+        return message, {"u": fisher, "v": v}
+
+    def server_init(params):
+        if not loo:
+            return {"params": params, "precision": tree_zeros_like(params)}
+        return {"params": params, "u_sum": tree_zeros_like(params), "v_sum": tree_zeros_like(params)}
+
+    def server_update(server, messages, weights, hparams):
+        del hparams
+        params = weighted_mean(messages["params"], weights)
+        if not loo:
+            return {"params": params, "precision": weighted_mean(messages["precision"], weights)}
+        real = (weights > 0).astype(jnp.float32)
+        add = lambda total, delta: jax.tree.map(jnp.add, total, weighted_sum(delta, real))
+        return {"params": params, "u_sum": add(server["u_sum"], messages["delta_u"]),
+                "v_sum": add(server["v_sum"], messages["delta_v"])}
+
+    persistent_init = (lambda params: {"u": tree_zeros_like(params), "v": tree_zeros_like(params)}) if loo else None
+    return Algorithm(
+        name="fedcurv", model=model,
+        server_init=server_init, client_init=client_init, client_step=client_step,
+        client_final=client_final, server_update=server_update,
+        global_params=lambda server: server["params"],
+        local_epochs=local_epochs, batch_size=batch_size, hparams={"lr": lr, "lam": lam},
+        persistent_init=persistent_init)

@@ -1,0 +1,27 @@
+"""FedProx (Li et al.): FedAvg plus the proximal term ``mu/2 ||theta - theta_S||^2``.
+
+``mu`` is the traced hyper-parameter ``lam``. The FOLA authors ran it without
+gradient clipping, which is the default here.
+"""
+from __future__ import annotations
+
+from bfedjax.algorithms.fedavg import mean_server_update, params_message, params_server_init
+from bfedjax.algorithms.local_sgd import make_sgd_client
+from bfedjax.core.types import Algorithm
+
+
+def proximal_prior(ctx):
+    """Isotropic unit-precision prior centred on the global model."""
+    return ctx.server["params"], 1.0
+
+
+def fedprox(model, *, mu: float = 0.01, lr: float = 0.01, local_epochs: int = 1, batch_size: int = 32,
+            clip_norm: float | None = None, momentum: float = 0.0) -> Algorithm:
+    client_init, client_step = make_sgd_client(model, prior_fn=proximal_prior, clip_norm=clip_norm,
+                                               momentum=momentum)
+    return Algorithm(
+        name="fedprox", model=model,
+        server_init=params_server_init, client_init=client_init, client_step=client_step,
+        client_final=params_message, server_update=mean_server_update,
+        global_params=lambda server: server["params"],
+        local_epochs=local_epochs, batch_size=batch_size, hparams={"lr": lr, "lam": mu})

@@ -1,0 +1,109 @@
+"""``simulate``: run R rounds of an algorithm on federated data.
+
+The host loop only feeds round keys and traced hyper-parameters to the
+compiled ``round_step``, records metrics, and checkpoints.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bfedjax.core.engine import EngineState, RoundArrays, RoundConfig, init_state, make_round_step
+from bfedjax.core.types import Algorithm
+from bfedjax.metrics.rounds import best_so_far
+
+
+@dataclasses.dataclass
+class SimulationResult:
+    """metrics: per-round lists (``round``, ``global_accuracy``, ``local_accuracy``, ``global_loss``,
+    ``seconds``, ``best_global_accuracy``); state: the final ``EngineState``."""
+
+    algorithm: str
+    metrics: dict
+    state: EngineState
+
+    @property
+    def best_global_accuracy(self) -> float:
+        return float(max(self.metrics["global_accuracy"]))
+
+
+def round_arrays(fed, client_weights=None) -> RoundArrays:
+    """Device copies of a ``FederatedData``; ``client_weights`` ``[N]`` overrides pi_n = m_n/m."""
+    weights = fed.weights if client_weights is None else np.asarray(client_weights, np.float32)
+    if weights.shape != (fed.num_clients,) or np.any(weights < 0) or weights.sum() <= 0:
+        raise ValueError(f"client_weights must be {fed.num_clients} non-negative numbers with a positive sum")
+    return RoundArrays(jnp.asarray(fed.x), jnp.asarray(fed.y), jnp.asarray(fed.counts),
+                       jnp.asarray(weights / weights.sum()), jnp.asarray(fed.x_test), jnp.asarray(fed.y_test))
+
+
+def traced_hparams(algorithm: Algorithm, round_index: int, overrides: dict | None = None) -> dict:
+    """Per-round scalars with fixed dtypes (``round`` int32, the rest float32): no recompiles."""
+    values = {**algorithm.hparams, **(overrides or {})}
+    out = {k: jnp.asarray(v, jnp.float32) for k, v in values.items()}
+    out["round"] = jnp.asarray(round_index, jnp.int32)
+    return out
+
+
+def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_per_round: int | None = None,
+             clients_per_chunk: int | None = None, backend: str = "vmap", client_weights=None,
+             hparams_fn: Callable[[int], dict] | None = None, evaluate_local: bool = True,
+             init_params=None, checkpoint_dir: str | None = None,
+             on_round: Callable[[dict], None] | None = None) -> SimulationResult:
+    """Runs ``rounds`` federated rounds.
+
+    Args:
+      algorithm: an ``Algorithm`` (e.g. ``bfedjax.algorithms.fola(model)``).
+      fed: ``data.FederatedData``.
+      key: run key; model init uses ``fold_in(key, 0)``, round r uses ``fold_in(key, r)``.
+      clients_per_round: cohort size K (default: all clients).
+      clients_per_chunk: train the cohort in chunks of this many clients (bounded memory).
+      backend: "vmap" (one jitted round) or "sequential" (reference loop).
+      client_weights: ``[N]`` overrides pi_n = m_n/m (renormalised over each cohort).
+      hparams_fn: ``round -> {"lr": ..., "lam": ...}`` overrides per round (traced).
+      init_params: initial model parameters (default: the model's init).
+      checkpoint_dir: save after every round and resume from the latest save.
+      on_round: called with each round's record (a dict of floats).
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds} must be >= 1")
+    config = RoundConfig(num_clients=fed.num_clients, clients_per_round=clients_per_round or fed.num_clients,
+                         clients_per_chunk=clients_per_chunk, evaluate_local=evaluate_local)
+    if init_params is None:
+        dummy = jnp.zeros((1,) + fed.input_shape, jnp.float32)
+        init_params = algorithm.model.init(jax.random.fold_in(key, 0), dummy)["params"]
+    state = init_state(algorithm, init_params, fed.num_clients)
+    arrays = round_arrays(fed, client_weights)
+    round_step = make_round_step(algorithm, config, backend)
+
+    history: list[dict] = []
+    checkpointer = None
+    if checkpoint_dir:
+        from bfedjax.checkpoint import RoundCheckpointer
+        checkpointer = RoundCheckpointer(checkpoint_dir)
+        last = checkpointer.latest_round()
+        if last is not None:
+            state, history = checkpointer.restore(last, state)
+            history = history[:last]
+    for r in range(len(history) + 1, rounds + 1):
+        start = time.perf_counter()
+        hparams = traced_hparams(algorithm, r, hparams_fn(r) if hparams_fn else None)
+        state, metrics = round_step(state, arrays, jax.random.fold_in(key, r), hparams)
+        record = {"round": r, **{k: float(v) for k, v in metrics.items()}}
+        record["seconds"] = time.perf_counter() - start
+        record["best_global_accuracy"] = max(record["global_accuracy"],
+                                             history[-1]["best_global_accuracy"] if history else 0.0)
+        history.append(record)
+        if checkpointer:
+            checkpointer.save(r, state, history)
+        if on_round:
+            on_round(record)
+    if checkpointer:
+        checkpointer.close()
+    metrics = {k: [h[k] for h in history] for k in history[0]}
+    metrics["best_global_accuracy"] = list(best_so_far(metrics["global_accuracy"]))
+    return SimulationResult(algorithm.name, metrics, state)

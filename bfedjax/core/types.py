@@ -1,0 +1,84 @@
+"""The types shared by the engine and every algorithm.
+
+An algorithm is a bundle of pure functions over pytrees (see ``Algorithm``);
+the engine owns vmap, scan, masking, client sampling and chunking.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+
+PyTree = Any
+HParams = dict  # traced per-round scalars: {"round", "lr", "lam", ...}
+
+
+class ClientData(NamedTuple):
+    """One client's padded data (inside the round every leaf gains ``[C]``).
+
+    x: ``[max_n, ...]`` inputs; rows ``>= count`` are padding.
+    y: ``[max_n]`` int32 labels.
+    count: ``[]`` int32 number of real samples.
+    """
+
+    x: jax.Array
+    y: jax.Array
+    count: jax.Array
+
+
+class Batch(NamedTuple):
+    """A masked mini-batch. x: ``[B, ...]``, y: ``[B]``, mask: ``[B]`` float32 (1 real, 0 pad)."""
+
+    x: jax.Array
+    y: jax.Array
+    mask: jax.Array
+
+
+class ClientContext(NamedTuple):
+    """Everything a client may read during a round (read-only).
+
+    server: the broadcast server state.
+    persistent: this client's persistent state (``()`` when the algorithm has none).
+    data: this client's ``ClientData``.
+    hparams: traced per-round scalars (``round`` counts from 1, ``lr``, ``lam``, ...).
+    """
+
+    server: PyTree
+    persistent: PyTree
+    data: ClientData
+    hparams: HParams
+
+
+class Algorithm(NamedTuple):
+    """A federated algorithm as pure functions (cf. optax's GradientTransformation).
+
+    server_init(params) -> server_state
+    client_init(ctx, key) -> local_state
+    client_step(local_state, batch, ctx, key) -> local_state
+        A step whose batch is entirely padding is discarded by the engine, so a
+        client takes exactly ceil(count / batch_size) steps per epoch.
+    client_final(local_state, ctx) -> (message, new_persistent)
+        ``message`` is a dict holding at least ``"params"`` (the local model).
+    server_update(server_state, messages, weights, hparams) -> server_state
+        ``messages`` leaves are ``[C, ...]``; ``weights`` ``[C]`` sums to 1
+        over the cohort (zero for padding clients of a chunked cohort).
+    global_params(server_state) -> params used for evaluation (GA).
+    persistent_init(params) -> one client's persistent state, or None.
+
+    model: the Flax module whose ``apply({"params": p}, x)`` gives logits.
+    local_epochs, batch_size: static local-training shape.
+    hparams: default values of the traced per-round scalars.
+    """
+
+    name: str
+    model: Any
+    server_init: Callable
+    client_init: Callable
+    client_step: Callable
+    client_final: Callable
+    server_update: Callable
+    global_params: Callable
+    local_epochs: int
+    batch_size: int
+    hparams: dict
+    persistent_init: Callable | None = None

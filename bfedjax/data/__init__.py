@@ -1,0 +1,15 @@
+"""Data sets and client partitioning for federated experiments."""
+
+from bfedjax.data.sources import Dataset, DataUnavailableError, available, load
+from bfedjax.data.partition import (
+    PARTITIONERS,
+    class_groups,
+    describe,
+    dirichlet_per_class,
+    dirichlet_per_client,
+    iid,
+    partition,
+    power_law,
+    shards,
+)
+from bfedjax.data.federated import FederatedData, from_partition, stack_clients

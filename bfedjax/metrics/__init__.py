@@ -1,0 +1,5 @@
+"""Metrics: accuracy / loss inside jit, and round-curve summaries."""
+from bfedjax.metrics.classification import accuracy, evaluate, evaluate_many
+from bfedjax.metrics.rounds import best_so_far, rounds_to_target
+
+__all__ = ["accuracy", "evaluate", "evaluate_many", "best_so_far", "rounds_to_target"]

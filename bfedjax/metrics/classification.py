@@ -1,0 +1,49 @@
+"""Classification metrics computed inside jit, in fixed-size test batches."""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def _padded_batches(x, y, batch_size: int):
+    """Reshapes ``x [T, ...]``, ``y [T]`` to ``[nb, b, ...]`` plus a ``[nb, b]`` mask."""
+    t = y.shape[0]
+    b = min(batch_size, t)
+    nb = math.ceil(t / b)
+    pad = nb * b - t
+    xp = jnp.concatenate([x, jnp.zeros((pad,) + x.shape[1:], x.dtype)]) if pad else x
+    yp = jnp.concatenate([y, jnp.zeros((pad,), y.dtype)]) if pad else y
+    mask = (jnp.arange(nb * b) < t).astype(jnp.float32)
+    return xp.reshape((nb, b) + x.shape[1:]), yp.reshape(nb, b), mask.reshape(nb, b)
+
+
+def evaluate(apply_fn, params, x, y, batch_size: int = 1000):
+    """Accuracy and mean cross-entropy of ``params`` on ``x [T, ...]``, ``y [T]`` (two scalars)."""
+    xb, yb, mb = _padded_batches(x, y, batch_size)
+
+    def one(args):
+        xi, yi, mi = args
+        logits = apply_fn(params, xi)
+        correct = jnp.sum((jnp.argmax(logits, -1) == yi) * mi)
+        loss = jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, yi) * mi)
+        return correct, loss
+
+    correct, loss = jax.lax.map(one, (xb, yb, mb))
+    t = y.shape[0]
+    return jnp.sum(correct) / t, jnp.sum(loss) / t
+
+
+def evaluate_many(apply_fn, stacked_params, x, y, batch_size: int = 1000):
+    """``evaluate`` for each of ``C`` stacked models (leaves ``[C, ...]``), one after another.
+
+    Returns accuracies ``[C]`` and losses ``[C]``.
+    """
+    return jax.lax.map(lambda p: evaluate(apply_fn, p, x, y, batch_size), stacked_params)
+
+
+def accuracy(logits, labels):
+    """Top-1 accuracy of ``logits [T, K]`` against ``labels [T]``."""
+    return jnp.mean(jnp.argmax(logits, -1) == labels)

@@ -1,0 +1,235 @@
+"""Model zoo for bfedjax: small Flax ``linen`` classifiers.
+
+All models map inputs ``x`` of shape ``[B, H, W, C]`` (float32) -- or, for the
+fully-connected models, an already-flat ``[B, D]`` -- to logits of shape
+``[B, num_classes]``.  Parameters are plain pytrees (the ``'params'``
+collection), so per-client parameters can be stacked along a leading axis and
+``jax.vmap``-ed.  There is no BatchNorm and no dropout, so models have no
+mutable state and no RNG requirement at apply time.
+
+Initialisation follows the FOLA authors: Glorot (Xavier) uniform kernels and
+zero biases.
+
+Parameter counts (for reference, checked in ``tests/test_models.py``):
+
+==============  ===========  =========
+model           input        #params
+==============  ===========  =========
+Logistic        28x28x1      7,850
+MLP(500, 300)   28x28x1      545,810
+MLP(200, 200)   28x28x1      199,210
+FolaCNN         32x32x3      878,538
+LeNet           28x28x1      61,706
+==============  ===========  =========
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+
+Params = Any  # a pytree of arrays (the 'params' collection)
+
+KERNEL_INIT = nn.initializers.xavier_uniform()
+BIAS_INIT = nn.initializers.zeros
+
+
+def _dense(features: int, name: str | None = None) -> nn.Dense:
+    return nn.Dense(features, kernel_init=KERNEL_INIT, bias_init=BIAS_INIT, name=name)
+
+
+def _conv(features: int, kernel: tuple[int, int], padding: str,
+          name: str | None = None) -> nn.Conv:
+    return nn.Conv(features, kernel_size=kernel, padding=padding,
+                   kernel_init=KERNEL_INIT, bias_init=BIAS_INIT, name=name)
+
+
+def _flatten(x: jax.Array) -> jax.Array:
+    """``[B, ...] -> [B, prod(...)]``."""
+    return x.reshape((x.shape[0], -1))
+
+
+def _max_pool_2x2(x: jax.Array) -> jax.Array:
+    """``[B, H, W, C] -> [B, H//2, W//2, C]`` (floor, VALID)."""
+    return nn.max_pool(x, window_shape=(2, 2), strides=(2, 2), padding="VALID")
+
+
+class Logistic(nn.Module):
+    """Multinomial logistic regression: flatten -> Dense(num_classes).
+
+    Input ``[B, H, W, C]`` or ``[B, D]``; output logits ``[B, num_classes]``.
+    Params: ``Dense_0/kernel [D, K]``, ``Dense_0/bias [K]``.
+    """
+
+    num_classes: int = 10
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = _flatten(jnp.asarray(x, jnp.float32))
+        return _dense(self.num_classes)(x)
+
+
+class MLP(nn.Module):
+    """Fully-connected net: flatten -> [Dense(h) -> ReLU] * len(hidden) -> Dense(K).
+
+    Input ``[B, H, W, C]`` or ``[B, D]``; output logits ``[B, num_classes]``.
+    Params: ``Dense_i/kernel [d_in, d_out]`` and ``Dense_i/bias [d_out]`` for
+    ``i = 0..len(hidden)``.
+    """
+
+    hidden: Sequence[int] = (200, 200)
+    num_classes: int = 10
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = _flatten(jnp.asarray(x, jnp.float32))
+        for h in self.hidden:
+            x = nn.relu(_dense(int(h))(x))
+        return _dense(self.num_classes)(x)
+
+
+class FolaCNN(nn.Module):
+    """The FOLA authors' CIFAR ``BasicCNN``.
+
+    Conv(32, 5x5, VALID) -> ReLU -> MaxPool 2x2 -> Conv(64, 5x5, VALID) -> ReLU
+    -> MaxPool 2x2 -> Flatten -> Dense(512) -> ReLU -> Dense(num_classes).
+
+    Input ``[B, 32, 32, 3]`` (the shapes below); output ``[B, num_classes]``.
+    Shapes: 32x32x3 -> 28x28x32 -> 14x14x32 -> 10x10x64 -> 5x5x64 -> 1600 -> 512 -> K.
+    """
+
+    num_classes: int = 10
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = jnp.asarray(x, jnp.float32)
+        x = _max_pool_2x2(nn.relu(_conv(32, (5, 5), "VALID")(x)))
+        x = _max_pool_2x2(nn.relu(_conv(64, (5, 5), "VALID")(x)))
+        x = _flatten(x)
+        x = nn.relu(_dense(512)(x))
+        return _dense(self.num_classes)(x)
+
+
+class LeNet(nn.Module):
+    """LeNet-5 style CNN for 28x28 inputs.
+
+    Conv(6, 5x5, SAME) -> ReLU -> MaxPool 2 -> Conv(16, 5x5, VALID) -> ReLU ->
+    MaxPool 2 -> Flatten -> Dense(120) -> ReLU -> Dense(84) -> ReLU ->
+    Dense(num_classes).
+
+    Input ``[B, 28, 28, C]``; output ``[B, num_classes]``.
+    Shapes: 28x28xC -> 28x28x6 -> 14x14x6 -> 10x10x16 -> 5x5x16 -> 400 -> 120 -> 84 -> K.
+    """
+
+    num_classes: int = 10
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = jnp.asarray(x, jnp.float32)
+        x = _max_pool_2x2(nn.relu(_conv(6, (5, 5), "SAME")(x)))
+        x = _max_pool_2x2(nn.relu(_conv(16, (5, 5), "VALID")(x)))
+        x = _flatten(x)
+        x = nn.relu(_dense(120)(x))
+        x = nn.relu(_dense(84)(x))
+        return _dense(self.num_classes)(x)
+
+
+# --------------------------------------------------------------------------- #
+# Registry / factory
+# --------------------------------------------------------------------------- #
+
+def _make_mlp(num_classes: int, hidden: Sequence[int] | None = None) -> nn.Module:
+    return MLP(hidden=tuple(hidden) if hidden is not None else (200, 200),
+               num_classes=num_classes)
+
+
+MODELS: dict[str, Callable[..., nn.Module]] = {
+    "logistic": lambda num_classes, hidden=None: Logistic(num_classes=num_classes),
+    "mlp": _make_mlp,
+    "mlp_500_300": lambda num_classes, hidden=None: MLP(hidden=(500, 300), num_classes=num_classes),
+    "mlp_200_200": lambda num_classes, hidden=None: MLP(hidden=(200, 200), num_classes=num_classes),
+    "fola_cnn": lambda num_classes, hidden=None: FolaCNN(num_classes=num_classes),
+    "lenet": lambda num_classes, hidden=None: LeNet(num_classes=num_classes),
+}
+"""name -> factory ``(num_classes, hidden=None) -> nn.Module``.
+
+``hidden`` is only used by ``"mlp"`` (default ``(200, 200)``); the other
+entries ignore it.
+"""
+
+
+def get_model(name: str, num_classes: int,
+              hidden: Sequence[int] | None = None) -> nn.Module:
+    """Build a model by registry name.
+
+    Args:
+      name: one of ``MODELS`` (case-insensitive).
+      num_classes: number of output logits ``K``.
+      hidden: hidden widths for ``"mlp"`` (default ``(200, 200)``); ignored otherwise.
+
+    Returns:
+      An (unbound) ``flax.linen`` module mapping ``[B, ...] -> [B, K]``.
+
+    Raises:
+      ValueError: if ``name`` is unknown (the message lists valid names).
+    """
+    key = name.lower() if isinstance(name, str) else name
+    if key not in MODELS:
+        raise ValueError(
+            f"Unknown model {name!r}; available models: {sorted(MODELS)}")
+    return MODELS[key](num_classes, hidden)
+
+
+def init_params(model: nn.Module, input_shape: tuple[int, ...],
+                key: jax.Array) -> Params:
+    """Initialise a model's parameters.
+
+    Args:
+      model: a ``flax.linen`` module from this zoo.
+      input_shape: per-example input shape WITHOUT the batch axis, e.g.
+        ``(28, 28, 1)``, ``(32, 32, 3)`` or ``(784,)``.
+      key: a PRNG key.
+
+    Returns:
+      The ``'params'`` collection: a plain (nested dict) pytree of float32
+      arrays, usable as ``model.apply({'params': params}, x)``.
+    """
+    input_shape = tuple(int(d) for d in input_shape)
+    try:
+        hash(model)
+    except TypeError:  # e.g. MLP(hidden=[...]) with a list attribute: no jit cache
+        return _init(model, input_shape, key)
+    return _jit_init(model, input_shape, key)
+
+
+def _init(model: nn.Module, input_shape: tuple[int, ...], key: jax.Array) -> Params:
+    dummy = jnp.zeros((1, *input_shape), jnp.float32)
+    return model.init(key, dummy)["params"]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _jit_init(model: nn.Module, input_shape: tuple[int, ...],
+              key: jax.Array) -> Params:
+    # Jitted (one XLA program instead of many eager ops); cached per
+    # (model, input_shape) -- linen modules are frozen, hashable dataclasses.
+    return _init(model, input_shape, key)
+
+
+def num_params(params: Params) -> int:
+    """Total number of scalar parameters in a pytree.
+
+    Works on concrete arrays and on ``jax.ShapeDtypeStruct`` leaves (e.g. the
+    output of ``jax.eval_shape(init_params, ...)``).
+    """
+    return int(sum(math.prod(jnp.shape(leaf)) for leaf in jax.tree_util.tree_leaves(params)))
+
+
+__all__ = [
+    "Logistic", "MLP", "FolaCNN", "LeNet",
+    "MODELS", "get_model", "init_params", "num_params",
+]

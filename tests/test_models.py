@@ -1,0 +1,140 @@
+"""Tests for bfedjax.models.zoo.
+
+Kept fast: parameter counts use ``jax.eval_shape`` (tracing only), and each
+concrete model is initialised once (module-scoped fixture) with jitted
+init/apply.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bfedjax.models import (
+    MODELS, MLP, FolaCNN, LeNet, Logistic, get_model, init_params, num_params,
+)
+
+NUM_CLASSES = 10
+
+# name -> (model, per-example input shape) for the concrete (non-abstract) tests
+CONCRETE = {
+    "logistic": (Logistic(num_classes=NUM_CLASSES), (28, 28, 1)),
+    "mlp": (MLP(hidden=(32, 16), num_classes=NUM_CLASSES), (28, 28, 1)),
+    "lenet": (LeNet(num_classes=NUM_CLASSES), (28, 28, 1)),
+    "fola_cnn": (FolaCNN(num_classes=NUM_CLASSES), (32, 32, 3)),
+}
+
+
+@pytest.fixture(scope="module")
+def built():
+    """name -> (model, input_shape, params) initialised with PRNGKey(0)."""
+    key = jax.random.PRNGKey(0)
+    return {name: (m, s, init_params(m, s, key)) for name, (m, s) in CONCRETE.items()}
+
+
+def _abstract_params(model, input_shape):
+    """Param pytree with ShapeDtypeStruct leaves; no FLOPs are run."""
+    return jax.eval_shape(functools.partial(init_params, model, input_shape),
+                          jax.random.PRNGKey(0))
+
+
+@pytest.mark.parametrize(
+    "name,hidden,input_shape,expected",
+    [
+        ("logistic", None, (28, 28, 1), 7_850),       # 784*10 + 10
+        ("mlp_500_300", None, (28, 28, 1), 545_810),
+        ("mlp_200_200", None, (28, 28, 1), 199_210),
+        ("mlp", None, (28, 28, 1), 199_210),           # default hidden (200, 200)
+        ("mlp", (500, 300), (28, 28, 1), 545_810),
+        ("fola_cnn", None, (32, 32, 3), 878_538),
+        # LeNet: 156 + 2,416 + 48,120 + 10,164 + 850
+        ("lenet", None, (28, 28, 1), 61_706),
+    ],
+)
+def test_param_counts(name, hidden, input_shape, expected):
+    model = get_model(name, num_classes=NUM_CLASSES, hidden=hidden)
+    assert num_params(_abstract_params(model, input_shape)) == expected
+
+
+def test_num_params_concrete(built):
+    assert num_params(built["logistic"][2]) == 7_850
+    assert num_params(built["lenet"][2]) == 61_706
+
+
+@pytest.mark.parametrize("name", list(CONCRETE))
+def test_output_shape_and_finite(built, name):
+    model, shape, params = built[name]
+    x = jax.random.normal(jax.random.PRNGKey(2), (3, *shape))
+    logits = jax.jit(model.apply)({"params": params}, x)
+    assert logits.shape == (3, NUM_CLASSES)
+    assert logits.dtype == jnp.float32
+    assert bool(jnp.all(jnp.isfinite(logits)))
+
+
+@pytest.mark.parametrize("name", list(CONCRETE))
+def test_zero_bias_and_glorot_kernels(built, name):
+    _, _, params = built[name]
+    n_bias = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        leaf = np.asarray(leaf)
+        if path[-1].key == "bias":
+            n_bias += 1
+            np.testing.assert_array_equal(leaf, 0.0)
+        else:
+            assert path[-1].key == "kernel"
+            # Glorot uniform: U(-a, a), a = sqrt(6 / (fan_in + fan_out))
+            receptive = int(np.prod(leaf.shape[:-2])) if leaf.ndim > 2 else 1
+            fan_in, fan_out = leaf.shape[-2] * receptive, leaf.shape[-1] * receptive
+            limit = np.sqrt(6.0 / (fan_in + fan_out))
+            assert np.abs(leaf).max() <= limit * (1 + 1e-6)
+            assert np.abs(leaf).max() > 0.5 * limit
+    assert n_bias > 0
+
+
+def test_init_deterministic(built):
+    model, shape, p0 = built["lenet"]
+    p_same = init_params(model, shape, jax.random.PRNGKey(0))
+    p_other = init_params(model, shape, jax.random.PRNGKey(1))
+    jax.tree_util.tree_map(np.testing.assert_array_equal, p0, p_same)
+    assert not np.array_equal(p0["Conv_0"]["kernel"], p_other["Conv_0"]["kernel"])
+
+
+@pytest.mark.parametrize("name", ["logistic", "mlp"])
+def test_flat_input_equals_image_input(built, name):
+    model, shape, params = built[name]
+    x = jax.random.uniform(jax.random.PRNGKey(7), (4, *shape))
+    apply = jax.jit(model.apply)
+    out_img = apply({"params": params}, x)
+    out_flat = apply({"params": params}, x.reshape(4, -1))
+    np.testing.assert_allclose(np.asarray(out_img), np.asarray(out_flat), rtol=1e-6, atol=1e-6)
+
+
+def test_flat_init_shapes_match_image_init():
+    model = Logistic(num_classes=NUM_CLASSES)
+    a = _abstract_params(model, (28, 28, 1))
+    b = _abstract_params(model, (784,))
+    assert jax.tree_util.tree_map(lambda l: l.shape, a) == jax.tree_util.tree_map(lambda l: l.shape, b)
+
+
+def test_vmap_over_stacked_clients():
+    model = MLP(hidden=(8,), num_classes=3)
+    keys = jax.random.split(jax.random.PRNGKey(8), 4)
+    stacked = jax.vmap(lambda k: init_params(model, (5,), k))(keys)
+    assert stacked["Dense_0"]["kernel"].shape == (4, 5, 8)
+    x = jnp.ones((2, 5))
+    out = jax.jit(jax.vmap(lambda p: model.apply({"params": p}, x)))(stacked)
+    assert out.shape == (4, 2, 3)
+
+
+def test_registry_and_unknown_name():
+    assert set(MODELS) == {"logistic", "mlp", "mlp_500_300", "mlp_200_200", "fola_cnn", "lenet"}
+    assert isinstance(get_model("fola_cnn", 10), FolaCNN)
+    assert isinstance(get_model("lenet", 10), LeNet)
+    assert isinstance(get_model("logistic", 10), Logistic)
+    assert get_model("mlp", 10).hidden == (200, 200)
+    assert get_model("mlp", 10, hidden=[64]).hidden == (64,)
+    assert get_model("mlp_500_300", 10).hidden == (500, 300)
+    with pytest.raises(ValueError, match="logistic"):
+        get_model("resnet9000", 10)
