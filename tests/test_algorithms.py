@@ -1,0 +1,147 @@
+"""FedAvg / FedProx / FedCurv / FOLA identities (FOLA spec section 8, items 10-14)."""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import bfedjax as bf
+from bfedjax.core import ClientContext, ClientData, RoundConfig, init_state, local_training, make_round_step
+from bfedjax.core.simulate import round_arrays, traced_hparams
+from bfedjax.laplace import offline_fisher
+from bfedjax.posteriors import quadratic_penalty
+
+
+def _one_round(algo, fed, params, key=0, r=1, state=None):
+    state = state or init_state(algo, params, fed.num_clients)
+    step = make_round_step(algo, RoundConfig(fed.num_clients, fed.num_clients), "vmap")
+    return step(state, round_arrays(fed), jax.random.PRNGKey(key), traced_hparams(algo, r))
+
+
+def _client(fed, n):
+    return ClientData(jnp.asarray(fed.x[n]), jnp.asarray(fed.y[n]), jnp.int32(fed.counts[n]))
+
+
+def test_fedprox_with_mu_zero_is_fedavg(small_fed, tiny_model, tiny_params):
+    avg = bf.algorithms.fedavg(tiny_model, lr=0.1, batch_size=16, clip_norm=None)
+    prox = bf.algorithms.fedprox(tiny_model, mu=0.0, lr=0.1, batch_size=16)
+    chex.assert_trees_all_close(_one_round(avg, small_fed, tiny_params), _one_round(prox, small_fed, tiny_params),
+                                rtol=1e-6, atol=1e-7)
+
+
+def test_fola_with_equal_precisions_is_fedavg(small_fed, tiny_model, tiny_params):
+    """lam = 0 makes FOLA's clients FedAvg's; equal precisions make the product FedAvg's mean."""
+    avg = bf.algorithms.fedavg(tiny_model, lr=0.1, batch_size=16)
+    fola = bf.algorithms.fola(tiny_model, lr=0.1, lam=0.0, batch_size=16, eps=0.0)
+    server = avg.server_init(tiny_params)
+    avg_msgs, fola_msgs = [], []
+    for n in range(small_fed.num_clients):
+        key = jax.random.PRNGKey(n)
+        avg_msgs.append(local_training(avg, ClientContext(server, (), _client(small_fed, n),
+                                                          traced_hparams(avg, 1)), key)[0])
+        fola_msgs.append(local_training(fola, ClientContext(fola.server_init(tiny_params), (), _client(small_fed, n),
+                                                            traced_hparams(fola, 1)), key)[0])
+    stack = lambda ms: jax.tree.map(lambda *xs: jnp.stack(xs), *ms)
+    avg_msgs, fola_msgs = stack(avg_msgs), stack(fola_msgs)
+    chex.assert_trees_all_close(avg_msgs["params"], fola_msgs["params"], rtol=1e-6)
+    fola_msgs["precision"] = jax.tree.map(lambda p: jnp.full_like(p, 2.5), fola_msgs["precision"])
+    w = jnp.asarray(small_fed.weights)
+    chex.assert_trees_all_close(fola.server_update(None, fola_msgs, w, None)["params"],
+                                avg.server_update(None, avg_msgs, w, None)["params"], rtol=1e-5, atol=1e-7)
+
+
+def test_fola_round_one_differs_from_fedavg_only_through_aggregation(small_fed, tiny_model, tiny_params):
+    avg_state, avg_m = _one_round(bf.algorithms.fedavg(tiny_model, lr=0.1, batch_size=16), small_fed, tiny_params)
+    fola_state, fola_m = _one_round(bf.algorithms.fola(tiny_model, lr=0.1, lam=1e3, batch_size=16), small_fed,
+                                    tiny_params)
+    # Prior precision is zero in round 1, so the local models (LA) agree; the aggregates do not.
+    np.testing.assert_allclose(avg_m["local_accuracy"], fola_m["local_accuracy"], rtol=1e-6)
+    assert not np.allclose(avg_state.server["params"]["Dense_0"]["kernel"],
+                           fola_state.server["params"]["Dense_0"]["kernel"])
+
+
+def test_detached_prior_equals_lambda_zero(small_fed, tiny_model, tiny_params):
+    detached = bf.algorithms.fola(tiny_model, lr=0.1, lam=1e3, batch_size=16, profile="authors_code")
+    zero = bf.algorithms.fola(tiny_model, lr=0.1, lam=0.0, batch_size=16)
+    s1, _ = _one_round(detached, small_fed, tiny_params)
+    s2, _ = _one_round(zero, small_fed, tiny_params)
+    chex.assert_trees_all_equal(_one_round(detached, small_fed, tiny_params, r=2, state=s1)[0],
+                                _one_round(zero, small_fed, tiny_params, r=2, state=s2)[0])
+
+
+def test_prior_gradient_is_lambda_precision_times_offset(tiny_params):
+    center = jax.tree.map(lambda p: p + 0.3, tiny_params)
+    precision = jax.tree.map(lambda p: jnp.abs(p) + 0.5, tiny_params)
+    grad = jax.grad(lambda t: 7.0 * quadratic_penalty(t, center, precision))(tiny_params)
+    chex.assert_trees_all_close(grad, jax.tree.map(lambda p, c, t: 7.0 * p * (t - c), precision, center, tiny_params),
+                                rtol=1e-6)
+    zero = jax.grad(lambda t: quadratic_penalty(t, center, precision))(center)
+    chex.assert_trees_all_close(zero, jax.tree.map(jnp.zeros_like, zero))
+    # FedProx is the unit-precision case.
+    np.testing.assert_allclose(quadratic_penalty(tiny_params, center, 1.0),
+                               quadratic_penalty(tiny_params, center, jax.tree.map(jnp.ones_like, center)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("epochs", [1, 3])
+def test_fisher_estimators_at_frozen_weights(small_fed, tiny_model, tiny_params, epochs):
+    """lr = 0: batch_mean_sq with B = 1 is the per-sample Fisher (Eq. 21), E-fold over E epochs."""
+    n = 0
+    data = _client(small_fed, n)
+    apply_fn = bf.core.apply_fn_of(tiny_model)
+    eq21 = offline_fisher(apply_fn, tiny_params, data, 8, "per_sample_sq")
+
+    def fisher_of(**options):
+        algo = bf.algorithms.fola(tiny_model, lr=0.0, lam=0.0, local_epochs=epochs, eps=0.0, **options)
+        ctx = ClientContext(algo.server_init(tiny_params), (), data, traced_hparams(algo, 1))
+        return local_training(algo, ctx, jax.random.PRNGKey(0))[0]["precision"]
+
+    b1 = bf.algorithms.fola(tiny_model, lr=0.0, lam=0.0, local_epochs=epochs, batch_size=1, eps=0.0)
+    ctx = ClientContext(b1.server_init(tiny_params), (), data, traced_hparams(b1, 1))
+    batch_one = local_training(b1, ctx, jax.random.PRNGKey(0))[0]["precision"]
+    chex.assert_trees_all_close(batch_one, jax.tree.map(lambda f: epochs * f, eq21), rtol=2e-4, atol=1e-9)
+    chex.assert_trees_all_close(fisher_of(fisher="per_sample_sq", normalisation="mean_over_steps"), eq21,
+                                rtol=2e-4, atol=1e-9)
+    whole = bf.algorithms.fola(tiny_model, lr=0.0, lam=0.0, local_epochs=1, batch_size=small_fed.max_n, eps=0.0)
+    ctx = ClientContext(whole.server_init(tiny_params), (), data, traced_hparams(whole, 1))
+    jensen = local_training(whole, ctx, jax.random.PRNGKey(0))[0]["precision"]
+    for a, b in zip(jax.tree.leaves(jensen), jax.tree.leaves(eq21)):
+        assert np.all(np.asarray(a) <= np.asarray(b) * (1 + 1e-4) + 1e-9)
+
+
+def test_running_sum_and_running_average_share_the_mean(small_fed, tiny_model, tiny_params):
+    """With lam = 0 and eps = 0 both precision modes give the same mu_S; omega_S,R = R * Lambda_S,R."""
+    run = lambda mode: bf.simulate(bf.algorithms.fola(tiny_model, lr=0.1, lam=0.0, batch_size=16, eps=0.0,
+                                                      precision_mode=mode),
+                                   small_fed, rounds=3, key=jax.random.PRNGKey(0), init_params=tiny_params,
+                                   evaluate_local=False).state.server
+    total, average = run("running_sum"), run("running_average")
+    chex.assert_trees_all_close(total["params"], average["params"], rtol=2e-4, atol=1e-6)
+    chex.assert_trees_all_close(total["precision"], jax.tree.map(lambda p: 3.0 * p, average["precision"]),
+                                rtol=1e-4, atol=1e-12)
+
+
+def test_offline_fisher_variant_and_options_run(small_fed, tiny_model, tiny_params):
+    for options in ({"fisher": "offline"}, {"fisher": "alg1_raw", "normalisation": "mean_over_steps"},
+                    {"profile": "paper"}, {"gamma": 1.0, "damping": 1e-3}):
+        algo = bf.algorithms.fola(tiny_model, lr=0.1, lam=1.0, batch_size=16, **options)
+        res = bf.simulate(algo, small_fed, rounds=2, key=jax.random.PRNGKey(0), init_params=tiny_params,
+                          evaluate_local=False)
+        assert np.all(np.isfinite(res.metrics["global_loss"])), options
+
+
+def test_fedcurv_leave_one_out_bookkeeping(small_fed, tiny_model, tiny_params):
+    """The server's U equals the sum of every client's latest Fisher."""
+    algo = bf.algorithms.fedcurv(tiny_model, lr=0.1, batch_size=16, variant="leave_one_out")
+    res = bf.simulate(algo, small_fed, rounds=2, key=jax.random.PRNGKey(0), init_params=tiny_params,
+                      clients_per_round=3, evaluate_local=False)
+    chex.assert_trees_all_close(res.state.server["u_sum"], jax.tree.map(lambda u: u.sum(0), res.state.persistent["u"]),
+                                rtol=1e-5, atol=1e-10)
+
+
+def test_bad_options_are_rejected(tiny_model):
+    with pytest.raises(ValueError, match="fisher"):
+        bf.algorithms.fola(tiny_model, fisher="exact")
+    with pytest.raises(ValueError, match="unknown FOLA options"):
+        bf.algorithms.fola(tiny_model, lamda=1.0)
+    with pytest.raises(ValueError, match="variant"):
+        bf.algorithms.fedcurv(tiny_model, variant="shoham")
