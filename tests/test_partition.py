@@ -194,6 +194,14 @@ def test_shards_exact_classes_per_client(n, cpc):
     assert np.all(d["classes_per_client"] == cpc)
 
 
+def test_shards_round_robin_fallback():
+    """With no repair budget the class-sorted round-robin deal must still be exact."""
+    for n, cpc in [(10, 2), (100, 2), (7, 3), (10, 10)]:
+        parts = shards(Y, n, classes_per_client=cpc, seed=0, max_repairs=0)
+        _check(parts, M, n)
+        assert np.all(describe(parts, Y, K)["classes_per_client"] == cpc)
+
+
 def test_shards_invalid():
     with pytest.raises(ValueError, match="classes_per_client"):
         shards(Y, 10, classes_per_client=11, seed=0)

@@ -325,7 +325,7 @@ def shards(
     *,
     classes_per_client: int = 2,
     seed: int,
-    max_repairs: int = 10_000,
+    max_repairs: int | None = None,
 ) -> list[np.ndarray]:
     """Label-sorted shards; every client gets ``classes_per_client`` distinct classes.
 
@@ -350,7 +350,8 @@ def shards(
       classes_per_client: shards (= distinct classes) per client,
         ``1 <= classes_per_client <= K``.
       seed: RNG seed.
-      max_repairs: swap budget for the clash repair.
+      max_repairs: swap attempts for the clash repair; None means
+        ``4 * N * classes_per_client + 100`` (each success removes a clash).
 
     Returns:
       ``N`` disjoint sorted int64 index arrays; client ``i`` holds exactly
@@ -390,6 +391,7 @@ def shards(
     def clashes(row: np.ndarray) -> bool:
         return len(set(cls[row].tolist())) < cpc
 
+    max_repairs = 4 * total + 100 if max_repairs is None else _check_int("max_repairs", max_repairs, 0)
     bad = [i for i in range(n) if clashes(assign[i])]
     repairs = 0
     while bad and repairs < max_repairs:

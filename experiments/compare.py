@@ -1,0 +1,82 @@
+r"""Runs several algorithms on one flagfile and prints / writes a comparison.
+
+    python -m experiments.compare --flagfile=experiments/configs/fola_fmnist_demo.flags \
+        --runs=fedavg:--algorithm=fedavg fola:--algorithm=fola --output_dir=out/demo
+
+Each run is ``python -m experiments.run --flagfile=F <run flags> --output_dir=OUT/<label>``;
+the table reads each run's ``metrics.jsonl`` and ``summary.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+
+def run_all(flagfile: str, runs: list[str], output_dir: str, extra: list[str]) -> dict:
+    results = {}
+    for spec in runs:
+        label, _, flags = spec.partition(":")
+        out = os.path.join(output_dir, label)
+        cmd = [sys.executable, "-m", "experiments.run", f"--flagfile={flagfile}", *flags.split(), *extra,
+               f"--output_dir={out}"]
+        print("$", " ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True)
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            rounds = [json.loads(line) for line in f]
+        with open(os.path.join(out, "summary.json")) as f:
+            results[label] = {"rounds": rounds, "summary": json.load(f)}
+    return results
+
+
+def table(results: dict) -> str:
+    targets = next(iter(results.values()))["summary"]["rounds_to_target"]
+    head = ["method", "round-1 GA", "best GA", "final GA", "best LA"] + [f"rounds to GA {t}" for t in targets]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, res in results.items():
+        s = res["summary"]
+        reach = [str(s["rounds_to_target"][t]) if s["rounds_to_target"][t] else "-" for t in targets]
+        lines.append("| " + " | ".join([label, f"{s['round1_global_accuracy']:.4f}", f"{s['best_global_accuracy']:.4f}",
+                                        f"{s['final_global_accuracy']:.4f}", f"{s.get('best_local_accuracy', float('nan')):.4f}"]
+                                       + reach) + " |")
+    return "\n".join(lines)
+
+
+def per_round_table(results: dict) -> str:
+    labels = list(results)
+    n = max(len(r["rounds"]) for r in results.values())
+    lines = ["| round | " + " | ".join(f"{l} GA" for l in labels) + " |", "|" + "---|" * (len(labels) + 1)]
+    for i in range(n):
+        cells = [f"{results[l]['rounds'][i]['global_accuracy']:.4f}" if i < len(results[l]["rounds"]) else "" for l in labels]
+        lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--flagfile", required=True)
+    parser.add_argument("--runs", nargs="+", required=True, help="label:flags (flags space-separated, quoted)")
+    parser.add_argument("--output_dir", default="out/compare")
+    parser.add_argument("--results_file", default=None, help="Also write the tables as markdown here.")
+    parser.add_argument("--title", default="Comparison")
+    args, extra = parser.parse_known_args(argv)
+    if not os.path.exists(args.flagfile):
+        parser.error(f"--flagfile {args.flagfile} does not exist; see experiments/configs/")
+    results = run_all(args.flagfile, args.runs, args.output_dir, extra)
+    source = next(iter(results.values()))["summary"]["source"]
+    text = (f"## {args.title}\n\nData: {source}. Command:\n\n```\npython -m experiments.compare "
+            + " ".join(sys.argv[1:] if argv is None else argv) + f"\n```\n\n{table(results)}\n\nGA per round:\n\n"
+            + per_round_table(results) + "\n")
+    print("\n" + text)
+    if args.results_file:
+        os.makedirs(os.path.dirname(args.results_file) or ".", exist_ok=True)
+        with open(args.results_file, "w") as f:
+            f.write(text)
+    with open(os.path.join(args.output_dir, "comparison.json"), "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()
