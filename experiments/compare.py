@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import os
 import subprocess
 import sys
@@ -67,7 +68,7 @@ def main(argv=None):
     results = run_all(args.flagfile, args.runs, args.output_dir, extra)
     source = next(iter(results.values()))["summary"]["source"]
     text = (f"## {args.title}\n\nData: {source}. Command:\n\n```\npython -m experiments.compare "
-            + " ".join(sys.argv[1:] if argv is None else argv) + f"\n```\n\n{table(results)}\n\nGA per round:\n\n"
+            + shlex.join(sys.argv[1:] if argv is None else argv) + f"\n```\n\n{table(results)}\n\nGA per round:\n\n"
             + per_round_table(results) + "\n")
     print("\n" + text)
     if args.results_file:
