@@ -45,6 +45,7 @@ flags.DEFINE_list("client_weights", None, "Override pi_n = m_n/m with these N we
 # Rounds.
 flags.DEFINE_integer("rounds", 10, "Federated rounds R.")
 flags.DEFINE_integer("clients_per_round", None, "Cohort size K (default: all clients).")
+flags.DEFINE_float("participation", None, "Alternatively, the fraction of clients sampled each round.")
 flags.DEFINE_integer("clients_per_chunk", None, "Train the cohort in chunks of this many clients.")
 flags.DEFINE_enum("backend", "vmap", ("vmap", "sequential"), "Round engine backend.")
 flags.DEFINE_integer("local_epochs", 1, "Local epochs E.")
@@ -76,12 +77,18 @@ flags.register_validator("alpha", lambda v: v > 0, message="--alpha must be > 0 
 flags.register_validator("lr", lambda v: v > 0, message="--lr must be > 0 (e.g. --lr=0.01)")
 flags.register_validator("lam", lambda v: v is None or v >= 0, message="--lam must be >= 0")
 flags.register_validator("clients_per_round", lambda v: v is None or v >= 1, message="--clients_per_round must be >= 1")
+flags.register_validator("participation", lambda v: v is None or 0 < v <= 1,
+                         message="--participation must be in (0, 1], e.g. --participation=0.1")
 flags.register_validator("clients_per_chunk", lambda v: v is None or v >= 1, message="--clients_per_chunk must be >= 1")
 flags.register_validator("momentum", lambda v: 0 <= v < 1, message="--momentum must be in [0, 1)")
 flags.register_multi_flags_validator(
     ["clients_per_round", "num_clients"],
     lambda f: f["clients_per_round"] is None or f["clients_per_round"] <= f["num_clients"],
     message="--clients_per_round must be <= --num_clients")
+flags.register_multi_flags_validator(
+    ["clients_per_round", "participation"],
+    lambda f: f["clients_per_round"] is None or f["participation"] is None,
+    message="give --clients_per_round or --participation, not both")
 flags.register_multi_flags_validator(
     ["client_weights", "num_clients"],
     lambda f: f["client_weights"] is None or len(f["client_weights"]) == f["num_clients"],
@@ -187,7 +194,8 @@ def main(argv):
 
         result = bf.simulate(
             algorithm, fed, rounds=FLAGS.rounds, key=jax.random.PRNGKey(FLAGS.seed),
-            clients_per_round=FLAGS.clients_per_round, clients_per_chunk=FLAGS.clients_per_chunk,
+            clients_per_round=FLAGS.clients_per_round, participation=FLAGS.participation,
+            clients_per_chunk=FLAGS.clients_per_chunk,
             backend=FLAGS.backend, client_weights=weights, evaluate_local=FLAGS.evaluate_local,
             checkpoint_dir=checkpoints, on_round=on_round)
     with open(metrics_path, "w") as sink:  # complete history, restored rounds included

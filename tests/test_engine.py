@@ -101,6 +101,15 @@ def test_resume_from_checkpoint_gives_the_same_run(small_fed, tiny_model, tmp_pa
     chex.assert_trees_all_close(resumed.state, straight.state, rtol=1e-6)
 
 
+def test_participation_rate_sets_the_cohort_size():
+    from bfedjax.core import cohort_size
+    assert cohort_size(20, participation=0.1) == 2
+    assert cohort_size(20, participation=0.01) == 1
+    assert cohort_size(20) == 20 and cohort_size(20, clients_per_round=7) == 7
+    with pytest.raises(ValueError, match="participation"):
+        cohort_size(20, participation=1.5)
+
+
 def test_bad_config_errors_are_clear():
     with pytest.raises(ValueError, match="clients_per_round"):
         RoundConfig(num_clients=3, clients_per_round=4)

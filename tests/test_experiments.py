@@ -33,6 +33,7 @@ def test_run_writes_metrics_and_resumes(tmp_path):
 @pytest.mark.parametrize("bad,needle", [("--alpha=0", "--alpha must be > 0"),
                                         ("--clients_per_round=9", "--clients_per_round must be <="),
                                         ("--algorithm=fedsgd", "--algorithm"),
+                                        ("--participation=2", "--participation must be in"),
                                         ("--client_weights=0.5", "--client_weights needs exactly")])
 def test_bad_flags_fail_with_one_clear_line(bad, needle, tmp_path):
     out = _run(*SMALL, bad, f"--output_dir={tmp_path}", check=False)

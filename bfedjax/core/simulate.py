@@ -49,7 +49,19 @@ def traced_hparams(algorithm: Algorithm, round_index: int, overrides: dict | Non
     return out
 
 
+def cohort_size(num_clients: int, clients_per_round: int | None = None, participation: float | None = None) -> int:
+    """K from an explicit count or a participation rate in (0, 1] (at least one client)."""
+    if clients_per_round is not None and participation is not None:
+        raise ValueError("give clients_per_round or participation, not both")
+    if participation is not None:
+        if not 0 < participation <= 1:
+            raise ValueError(f"participation={participation} must be in (0, 1], e.g. 0.1 for 10% of clients")
+        return max(1, int(round(participation * num_clients)))
+    return clients_per_round or num_clients
+
+
 def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_per_round: int | None = None,
+             participation: float | None = None,
              clients_per_chunk: int | None = None, backend: str = "vmap", client_weights=None,
              hparams_fn: Callable[[int], dict] | None = None, evaluate_local: bool = True,
              init_params=None, checkpoint_dir: str | None = None,
@@ -61,6 +73,7 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
       fed: ``data.FederatedData``.
       key: run key; model init uses ``fold_in(key, 0)``, round r uses ``fold_in(key, r)``.
       clients_per_round: cohort size K (default: all clients).
+      participation: alternatively, K = round(participation * N), sampled afresh every round.
       clients_per_chunk: train the cohort in chunks of this many clients (bounded memory).
       backend: "vmap" (one jitted round) or "sequential" (reference loop).
       client_weights: ``[N]`` overrides pi_n = m_n/m (renormalised over each cohort).
@@ -71,7 +84,8 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
     """
     if rounds < 1:
         raise ValueError(f"rounds={rounds} must be >= 1")
-    config = RoundConfig(num_clients=fed.num_clients, clients_per_round=clients_per_round or fed.num_clients,
+    k = cohort_size(fed.num_clients, clients_per_round, participation)
+    config = RoundConfig(num_clients=fed.num_clients, clients_per_round=k,
                          clients_per_chunk=clients_per_chunk, evaluate_local=evaluate_local)
     if init_params is None:
         dummy = jnp.zeros((1,) + fed.input_shape, jnp.float32)
