@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from bfedjax.core.batching import batch_is_real, epoch_permutation, steps_per_epoch, take_batch
-from bfedjax.core.tree import tree_index, tree_stack, tree_where
+from bfedjax.core.tree import tree_stack, tree_where
 from bfedjax.core.types import Algorithm, ClientContext, ClientData
 from bfedjax.metrics.classification import evaluate, evaluate_many
 
@@ -234,4 +234,4 @@ def _sequential_round_fn(algorithm, config):
 
 
 __all__ = ["BACKENDS", "EngineState", "RoundArrays", "RoundConfig", "apply_fn_of", "init_state",
-           "local_training", "make_round_step", "tree_index"]
+           "local_training", "make_round_step"]
