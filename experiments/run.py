@@ -166,6 +166,7 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments {argv[1:]}; flags take the form --name=value")
     logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
     import jax
+    import numpy as np
     import bfedjax as bf
 
     dataset = load_dataset()
@@ -182,7 +183,7 @@ def main(argv):
     print(f"{algorithm.name} on {dataset.name} ({dataset.source}): {fed.num_clients} clients, "
           f"sizes {int(fed.counts.min())}..{int(fed.counts.max())}, {FLAGS.partition}, "
           f"{FLAGS.rounds} rounds, E={FLAGS.local_epochs}, B={FLAGS.batch_size}, lr={FLAGS.lr}, "
-          f"hparams={algorithm.hparams}", flush=True)
+          f"hparams={algorithm.hparams}, clients with pi_n < 1e-3: {int(np.sum(fed.weights < 1e-3))}", flush=True)
 
     with open(metrics_path, "w") as sink:
         def on_round(record):

@@ -138,6 +138,14 @@ def test_fedcurv_leave_one_out_bookkeeping(small_fed, tiny_model, tiny_params):
                                 rtol=1e-5, atol=1e-10)
 
 
+def test_fola_reports_precision_diagnostics(small_fed, tiny_model, tiny_params):
+    res = bf.simulate(bf.algorithms.fola(tiny_model, lr=0.1, lam=1.0, batch_size=16), small_fed, rounds=1,
+                      key=jax.random.PRNGKey(0), init_params=tiny_params, evaluate_local=False)
+    precision = np.concatenate([np.ravel(p) for p in jax.tree.leaves(res.state.server["precision"])])
+    np.testing.assert_allclose(res.metrics["precision_median"][0], np.median(precision), rtol=1e-5)
+    np.testing.assert_allclose(res.metrics["precision_below_eps"][0], np.mean(precision < 1e-5), rtol=1e-5)
+
+
 def test_bad_options_are_rejected(tiny_model):
     with pytest.raises(ValueError, match="fisher"):
         bf.algorithms.fola(tiny_model, fisher="exact")

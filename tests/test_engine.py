@@ -99,6 +99,8 @@ def test_resume_from_checkpoint_gives_the_same_run(small_fed, tiny_model, tmp_pa
     resumed = bf.simulate(algo, small_fed, rounds=3, key=key, evaluate_local=False, checkpoint_dir=str(tmp_path))
     np.testing.assert_allclose(resumed.metrics["global_accuracy"], straight.metrics["global_accuracy"])
     chex.assert_trees_all_close(resumed.state, straight.state, rtol=1e-6)
+    with pytest.raises(ValueError, match="at round 3 > rounds=2"):
+        bf.simulate(algo, small_fed, rounds=2, key=key, evaluate_local=False, checkpoint_dir=str(tmp_path))
 
 
 def test_participation_rate_sets_the_cohort_size():

@@ -144,9 +144,16 @@ def fola(model, *, lr: float = 0.01, lam: float = 1e3, local_epochs: int = 1, ba
         posterior = gaussian_product(DiagGaussian(messages["params"], messages["precision"]), weights, cfg.eps)
         return {"params": posterior.mean, "precision": posterior.precision}
 
+    def diagnostics(server):
+        """Spec section 7: share of coordinates with Lambda_S < eps and the median Lambda_S."""
+        flat = jnp.concatenate([p.ravel() for p in jax.tree.leaves(server["precision"])])
+        return {"precision_below_eps": jnp.mean(flat < max(cfg.eps, 1e-30)),
+                "precision_median": jnp.median(flat)}
+
     return Algorithm(
         name="fola", model=model,
         server_init=server_init, client_init=client_init, client_step=client_step,
         client_final=client_final, server_update=server_update,
         global_params=lambda server: server["params"],
-        local_epochs=local_epochs, batch_size=batch_size, hparams={"lr": lr, "lam": lam})
+        local_epochs=local_epochs, batch_size=batch_size, hparams={"lr": lr, "lam": lam},
+        diagnostics=diagnostics)

@@ -100,6 +100,9 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
         from bfedjax.checkpoint import RoundCheckpointer
         checkpointer = RoundCheckpointer(checkpoint_dir)
         last = checkpointer.latest_round()
+        if last is not None and last > rounds:
+            raise ValueError(f"the checkpoint in {checkpoint_dir} is at round {last} > rounds={rounds}; "
+                             "fix: ask for at least that many rounds, or start over (--noresume / a new directory)")
         if last is not None:
             state, history = checkpointer.restore(last, state)
             history = history[:last]
