@@ -16,8 +16,9 @@ def _round(algo, fed, params, config, backend, key=0, r=1):
     return step(state, round_arrays(fed), jax.random.PRNGKey(key), traced_hparams(algo, r))
 
 
-@pytest.mark.parametrize("name", ["fedavg", "fola", "fedcurv_loo"])
-def test_vmap_matches_sequential(name, small_fed, tiny_model, tiny_params):
+@pytest.mark.parametrize("name,backend", [("fedavg", "sequential"), ("fola", "sequential"),
+                                          ("fedcurv_loo", "sequential"), ("fola", "stepwise")])
+def test_vmap_matches_reference_backends(name, backend, small_fed, tiny_model, tiny_params):
     algo = {"fedavg": lambda: bf.algorithms.fedavg(tiny_model, lr=0.1, batch_size=16),
             "fola": lambda: bf.algorithms.fola(tiny_model, lr=0.1, lam=10.0, batch_size=16),
             "fedcurv_loo": lambda: bf.algorithms.fedcurv(tiny_model, lr=0.1, batch_size=16,
@@ -25,7 +26,7 @@ def test_vmap_matches_sequential(name, small_fed, tiny_model, tiny_params):
     # 3 of 5 clients per round in chunks of 2: exercises sampling and a zero-weight padding slot.
     config = RoundConfig(num_clients=5, clients_per_round=3, clients_per_chunk=2)
     vm_state, vm_metrics = _round(algo, small_fed, tiny_params, config, "vmap")
-    seq_state, seq_metrics = _round(algo, small_fed, tiny_params, config, "sequential")
+    seq_state, seq_metrics = _round(algo, small_fed, tiny_params, config, backend)
     chex.assert_trees_all_close(vm_state, seq_state, rtol=2e-5, atol=2e-6)
     chex.assert_trees_all_close(vm_metrics, seq_metrics, rtol=2e-5, atol=2e-6)
 

@@ -13,7 +13,10 @@ recompiles.
 
 The ``sequential`` backend runs the same per-client function in a Python loop
 (one jitted call per client) and the same aggregation; tests use it to prove
-the vmapped round computes the same maths.
+the vmapped round computes the same maths. The ``stepwise`` backend is the
+design most simulators use (FedJAX's default): a Python loop over clients and
+over their batches, one jitted ``client_step`` per batch; it is the baseline
+of ``experiments/bench.py`` and is parity-tested too.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from bfedjax.core.tree import tree_stack, tree_where
 from bfedjax.core.types import Algorithm, ClientContext, ClientData
 from bfedjax.metrics.classification import evaluate, evaluate_many
 
-BACKENDS = ("vmap", "sequential")
+BACKENDS = ("vmap", "sequential", "stepwise")
 
 
 class EngineState(NamedTuple):
@@ -108,7 +111,7 @@ def local_training(algorithm: Algorithm, ctx: ClientContext, key: jax.Array):
     under an inner ``lax.scan``; a slot without a real sample leaves the state
     unchanged, so the client takes exactly its own ``ceil(count / B)`` steps.
     """
-    init_key, perm_key, step_key = jax.random.split(key, 3)
+    init_key, perm_key, step_key = jax.random.split(key, 3)  # same derivation in _stepwise_round_fn
     local = algorithm.client_init(ctx, init_key)
     max_n = ctx.data.y.shape[0]
     batch_size = algorithm.batch_size
@@ -189,13 +192,16 @@ def make_round_step(algorithm: Algorithm, config: RoundConfig, backend: str = "v
     """Builds ``round_step(state, arrays, key, hparams) -> (state, metrics)``.
 
     ``backend="vmap"`` compiles the whole round once; ``"sequential"`` is the
-    reference (a Python loop over clients, one jitted call each).
+    reference (a Python loop over clients, one jitted call each); ``"stepwise"``
+    loops over clients and batches in Python (one jitted step per batch).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; choose one of {BACKENDS}")
     if backend == "vmap":
         return jax.jit(lambda state, arrays, key, hparams: _vmapped_round(algorithm, config, state, arrays, key, hparams))
-    return _sequential_round_fn(algorithm, config)
+    if backend == "sequential":
+        return _sequential_round_fn(algorithm, config)
+    return _stepwise_round_fn(algorithm, config)
 
 
 def _vmapped_round(algorithm, config, state, arrays, key, hparams):
@@ -220,9 +226,9 @@ def _vmapped_round(algorithm, config, state, arrays, key, hparams):
     return _finish(algorithm, config, state, arrays, cohort, messages, new_persistent, hparams)
 
 
-def _sequential_round_fn(algorithm, config):
+def _looped_round(algorithm, config, one_client):
+    """A round whose clients run one after another through ``one_client`` (reference backends)."""
     sample = jax.jit(lambda arrays, key: _sample_cohort(config, arrays, key))
-    one_client = jax.jit(lambda state, arrays, hparams, cid, k: _run_one_client(algorithm, state, arrays, hparams, cid, k))
     finish = jax.jit(lambda *args: _finish(algorithm, config, *args))
 
     def round_step(state, arrays, key, hparams):
@@ -233,6 +239,38 @@ def _sequential_round_fn(algorithm, config):
         return finish(state, arrays, cohort, messages, new_persistent, hparams)
 
     return round_step
+
+
+def _sequential_round_fn(algorithm, config):
+    """One jitted call per client (the whole local training)."""
+    return _looped_round(algorithm, config, jax.jit(
+        lambda state, arrays, hparams, cid, k: _run_one_client(algorithm, state, arrays, hparams, cid, k)))
+
+
+def _stepwise_round_fn(algorithm, config):
+    """Python loops over clients, epochs and real batches; one jitted ``client_step`` per batch."""
+    batch_size = algorithm.batch_size
+    inputs = jax.jit(_client_inputs)
+    init = jax.jit(algorithm.client_init)
+    order_of = jax.jit(epoch_permutation, static_argnums=2)
+    step = jax.jit(lambda local, ctx, order, j, key: algorithm.client_step(
+        local, take_batch(ctx.data, order, j, batch_size), ctx, key))
+    final = jax.jit(algorithm.client_final)
+
+    def one_client(state, arrays, hparams, client_id, key):
+        data, persistent = inputs(state, arrays, client_id)
+        ctx = ClientContext(state.server, persistent, data, hparams)
+        init_key, perm_key, step_key = jax.random.split(key, 3)
+        local = init(ctx, init_key)
+        real_batches = math.ceil(int(data.count) / batch_size)
+        for e in range(algorithm.local_epochs):
+            order = order_of(perm_key, data.count, data.y.shape[0], e)
+            epoch_key = jax.random.fold_in(step_key, e)
+            for j in range(real_batches):
+                local = step(local, ctx, order, j, jax.random.fold_in(epoch_key, j))
+        return final(local, ctx)
+
+    return _looped_round(algorithm, config, one_client)
 
 
 __all__ = ["BACKENDS", "EngineState", "RoundArrays", "RoundConfig", "apply_fn_of", "init_state",
