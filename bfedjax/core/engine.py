@@ -27,8 +27,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from bfedjax.core.batching import batch_is_real, epoch_permutation, steps_per_epoch, take_batch
-from bfedjax.core.tree import tree_stack, tree_where
+from bfedjax.core.batching import batch_is_real, epoch_permutation, take_batch
+from bfedjax.core.tree import tree_stack
 from bfedjax.core.types import Algorithm, ClientContext, ClientData
 from bfedjax.metrics.classification import evaluate, evaluate_many
 
@@ -107,26 +107,28 @@ def init_state(algorithm: Algorithm, params, num_clients: int) -> EngineState:
 def local_training(algorithm: Algorithm, ctx: ClientContext, key: jax.Array):
     """Runs one client's local epochs and returns ``algorithm.client_final``'s output.
 
-    Epochs run under ``lax.scan``, each over ``ceil(max_n / B)`` batch slots
-    under an inner ``lax.scan``; a slot without a real sample leaves the state
-    unchanged, so the client takes exactly its own ``ceil(count / B)`` steps.
+    Epochs run under ``lax.scan``; within an epoch a ``lax.while_loop`` takes
+    the client's ``ceil(count / B)`` batches. Under ``vmap`` the loop runs
+    until the largest client of the vmapped group is done and leaves finished
+    clients' states unchanged, so a group of similar-sized clients (the engine
+    sorts the cohort by size before chunking) does little padded work.
     """
     init_key, perm_key, step_key = jax.random.split(key, 3)  # same derivation in _stepwise_round_fn
     local = algorithm.client_init(ctx, init_key)
     max_n = ctx.data.y.shape[0]
     batch_size = algorithm.batch_size
-    slots = steps_per_epoch(max_n, batch_size)
 
     def epoch(local, e):
         order = epoch_permutation(perm_key, ctx.data.count, max_n, e)
         epoch_key = jax.random.fold_in(step_key, e)
 
-        def step(local, j):
+        def step(carry):
+            j, local = carry
             batch = take_batch(ctx.data, order, j, batch_size)
-            new = algorithm.client_step(local, batch, ctx, jax.random.fold_in(epoch_key, j))
-            return tree_where(batch_is_real(ctx.data, j, batch_size), new, local), None
+            return j + 1, algorithm.client_step(local, batch, ctx, jax.random.fold_in(epoch_key, j))
 
-        local, _ = jax.lax.scan(step, local, jnp.arange(slots))
+        _, local = jax.lax.while_loop(lambda carry: batch_is_real(ctx.data, carry[0], batch_size), step,
+                                      (jnp.int32(0), local))
         return local, None
 
     local, _ = jax.lax.scan(epoch, local, jnp.arange(algorithm.local_epochs))
@@ -145,7 +147,9 @@ def _sample_cohort(config: RoundConfig, arrays: RoundArrays, key) -> _Cohort:
     if k == n:
         ids = jnp.arange(n, dtype=jnp.int32)
     else:
-        ids = jnp.sort(jax.random.choice(sample_key, n, (k,), replace=False)).astype(jnp.int32)
+        ids = jax.random.choice(sample_key, n, (k,), replace=False).astype(jnp.int32)
+    if config.clients_per_chunk is not None:  # largest first, so each chunk holds similar sizes
+        ids = ids[jnp.argsort(-arrays.counts[ids], stable=True)]
     ids = jnp.concatenate([ids, jnp.full((kp - k,), n, jnp.int32)])
     real = ids < n
     raw = jnp.where(real, arrays.base_weights[jnp.minimum(ids, n - 1)], 0.0)

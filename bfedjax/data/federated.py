@@ -53,11 +53,17 @@ class FederatedData:
         m = int(self.counts[n])
         return self.x[n, :m], self.y[n, :m]
 
-    def padded_work_ratio(self, batch_size: int) -> float:
-        """Batch slots computed under vmap over batch slots that hold real samples."""
-        slots = int(np.ceil(self.max_n / batch_size)) * self.num_clients
-        real = int(np.sum(np.ceil(self.counts / batch_size)))
-        return slots / max(real, 1)
+    def padded_work_ratio(self, batch_size: int, clients_per_chunk: int | None = None) -> float:
+        """Batch steps computed under vmap over steps that train on real samples.
+
+        Without chunking every client runs as many steps as the largest one;
+        with ``clients_per_chunk`` the engine sorts clients by size and each
+        chunk runs as many steps as its own largest client.
+        """
+        steps = np.ceil(np.sort(self.counts)[::-1] / batch_size)
+        chunk = clients_per_chunk or len(steps)
+        computed = sum(steps[i] * len(steps[i:i + chunk]) for i in range(0, len(steps), chunk))
+        return float(computed / max(steps.sum(), 1))
 
 
 def stack_clients(x: np.ndarray, y: np.ndarray, parts: Sequence[np.ndarray], *, x_test: np.ndarray,
