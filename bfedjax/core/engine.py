@@ -183,8 +183,6 @@ def _finish(algorithm, config, state, arrays, cohort, messages, new_persistent, 
     ga, loss = evaluate(apply_fn, algorithm.global_params(server), arrays.x_test, arrays.y_test,
                         config.eval_batch_size)
     metrics = {"global_accuracy": ga, "global_loss": loss}
-    if algorithm.diagnostics is not None:
-        metrics.update(algorithm.diagnostics(server))
     if config.evaluate_local:
         local_acc, _ = evaluate_many(apply_fn, messages["params"], arrays.x_test, arrays.y_test,
                                      config.eval_batch_size)

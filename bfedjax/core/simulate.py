@@ -64,7 +64,7 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
              participation: float | None = None,
              clients_per_chunk: int | None = None, backend: str = "vmap", client_weights=None,
              hparams_fn: Callable[[int], dict] | None = None, evaluate_local: bool = True,
-             init_params=None, checkpoint_dir: str | None = None,
+             init_params=None, checkpoint_dir: str | None = None, diagnostics: bool = True,
              on_round: Callable[[dict], None] | None = None) -> SimulationResult:
     """Runs ``rounds`` federated rounds.
 
@@ -80,6 +80,8 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
       hparams_fn: ``round -> {"lr": ..., "lam": ...}`` overrides per round (traced).
       init_params: initial model parameters (default: the model's init).
       checkpoint_dir: save after every round and resume from the latest save.
+      diagnostics: add ``algorithm.diagnostics(server_state)`` (e.g. FOLA's precision
+        statistics) to every round's record; computed outside the round step.
       on_round: called with each round's record (a dict of floats).
     """
     if rounds < 1:
@@ -93,6 +95,7 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
     state = init_state(algorithm, init_params, fed.num_clients)
     arrays = round_arrays(fed, client_weights)
     round_step = make_round_step(algorithm, config, backend)
+    diagnose = jax.jit(algorithm.diagnostics) if diagnostics and algorithm.diagnostics else None
 
     history: list[dict] = []
     checkpointer = None
@@ -112,6 +115,8 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
         state, metrics = round_step(state, arrays, jax.random.fold_in(key, r), hparams)
         record = {"round": r, **{k: float(v) for k, v in metrics.items()}}
         record["seconds"] = time.perf_counter() - start
+        if diagnose:
+            record.update({k: float(v) for k, v in diagnose(state.server).items()})
         record["best_global_accuracy"] = max(record["global_accuracy"],
                                              history[-1]["best_global_accuracy"] if history else 0.0)
         history.append(record)

@@ -64,7 +64,7 @@ class Algorithm(NamedTuple):
         over the cohort (zero for padding clients of a chunked cohort).
     global_params(server_state) -> params used for evaluation (GA).
     persistent_init(params) -> one client's persistent state, or None.
-    diagnostics(server_state) -> dict of scalars added to the round metrics, or None.
+    diagnostics(server_state) -> dict of scalars ``simulate`` adds to each round's record, or None.
 
     model: the Flax module whose ``apply({"params": p}, x)`` gives logits.
     local_epochs, batch_size: static local-training shape.

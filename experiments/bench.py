@@ -1,0 +1,276 @@
+r"""Benchmark: the vmapped round against the stepwise loop, a PyTorch loop and the matmul ceiling.
+
+    python -m experiments.bench                 # quick mode (< 10 min on 2 CPU cores)
+    python -m experiments.bench --noquick       # adds K = 1000 and more timed rounds
+
+For every configuration and algorithm it times whole rounds (after one
+compile/warm-up round) of
+  * vmap     - the library: one jitted round, clients under vmap,
+  * stepwise - one jitted step per client per batch (FedJAX's default design),
+  * torch    - a PyTorch loop over clients like the papers' code (needs torch),
+and reports the round time, client-samples per second, achieved FLOP/s
+(training FLOPs on real samples, from XLA's cost analysis of the model,
+divided by the round time), the compiled round's memory (XLA memory analysis),
+the aggregation's share of a round and the padded-work ratio. The measured
+dense-matmul FLOP/s of the machine is the ceiling. Writes ``bench.json`` and
+``bench.md`` into ``--output_dir``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import time
+
+from absl import app, flags, logging
+
+FLAGS = flags.FLAGS
+flags.DEFINE_bool("quick", True, "Quick mode: fewer configurations and timed rounds.")
+flags.DEFINE_integer("rounds", None, "Timed rounds per measurement (default 2 quick, 3 full).")
+flags.DEFINE_list("algorithms", ["fedavg", "fola"], "Algorithms to time.")
+flags.DEFINE_list("backends", ["vmap", "stepwise", "torch"], "Backends to time.")
+flags.DEFINE_list("only", None, "Run only configurations whose name contains one of these strings.")
+flags.DEFINE_integer("samples_per_client", 60, "Samples per client in the uniform MLP configurations.")
+flags.DEFINE_string("output_dir", "results/bench", "Where bench.json and bench.md go.")
+
+
+@dataclasses.dataclass
+class Config:
+    name: str
+    partition: str          # "uniform" | "dirichlet" | "power_law"
+    num_clients: int
+    batch_size: int
+    clients_per_chunk: int | None = None
+
+
+def configurations(quick: bool) -> list[Config]:
+    grid = [Config(f"mlp K={k} B={b}", "uniform", k, b) for k in (10, 100, 1000) for b in (10, 50)
+            if not (quick and k == 1000 and b == 10)]
+    return grid + [
+        Config("fmnist dir0.01 N=20 B=32 unchunked", "dirichlet", 20, 32),
+        Config("fmnist dir0.01 N=20 B=32 chunks of 2", "dirichlet", 20, 32, 2),
+        Config("power-law N=100 B=10 unchunked", "power_law", 100, 10),
+        Config("power-law N=100 B=10 chunks of 10", "power_law", 100, 10, 10),
+    ]
+
+
+def load_images():
+    """28x28 training images: Fashion-MNIST if present, else procedural noise digits."""
+    import numpy as np
+    import bfedjax as bf
+    try:
+        return bf.data.load("fashion_mnist")
+    except bf.data.DataUnavailableError:
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(60000, 28, 28, 1)).astype(np.float32)
+        y = rng.integers(0, 10, 60000).astype(np.int32)
+        return bf.data.Dataset("procedural28", x, y, x[:2000], y[:2000], 10, "procedural")
+
+
+def federate(data, config: Config):
+    import numpy as np
+    import bfedjax as bf
+    if config.partition == "uniform":
+        n = FLAGS.samples_per_client
+        idx = np.resize(np.arange(len(data.y_train)), config.num_clients * n)
+        parts = [idx[i * n:(i + 1) * n] for i in range(config.num_clients)]
+    elif config.partition == "dirichlet":
+        parts = bf.data.partition(data.y_train, "dirichlet_per_class", config.num_clients, seed=0, alpha=0.01)
+    else:
+        parts = bf.data.partition(data.y_train[:20000], "power_law", config.num_clients, seed=0)
+    return bf.data.stack_clients(data.x_train, data.y_train, parts, x_test=data.x_test[:1000],
+                                 y_test=data.y_test[:1000], num_classes=10, name=data.name)
+
+
+def matmul_peak_flops(n: int = 1024, repeats: int = 10) -> float:
+    import jax
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n))
+    b = jax.random.normal(jax.random.PRNGKey(1), (n, n))
+    f = jax.jit(lambda a, b: a @ b)
+    f(a, b).block_until_ready()
+    best = min(_timed(lambda: f(a, b).block_until_ready()) for _ in range(repeats))
+    return 2 * n ** 3 / best
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def training_flops_per_sample(model, input_shape) -> float:
+    """Forward FLOPs of one example from XLA's cost analysis, times 3 (forward + backward)."""
+    import jax
+    import jax.numpy as jnp
+    x = jnp.zeros((1,) + tuple(input_shape))
+    params = model.init(jax.random.PRNGKey(0), x)["params"]
+    cost = jax.jit(lambda p, x: model.apply({"params": p}, x)).lower(params, x).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return 3.0 * float(cost["flops"])
+
+
+def time_library(algorithm, fed, config: Config, backend: str, rounds: int) -> dict:
+    import jax
+    import bfedjax as bf
+    from bfedjax.core import RoundConfig, init_state, make_round_step
+    from bfedjax.core.simulate import round_arrays, traced_hparams
+    round_config = RoundConfig(fed.num_clients, fed.num_clients, clients_per_chunk=config.clients_per_chunk,
+                               evaluate_local=False)
+    params = algorithm.model.init(jax.random.PRNGKey(0), jax.numpy.zeros((1,) + fed.input_shape))["params"]
+    state, arrays = init_state(algorithm, params, fed.num_clients), round_arrays(fed)
+    step = make_round_step(algorithm, round_config, backend)
+    out = {}
+    if backend == "vmap":
+        lowered = step.lower(state, arrays, jax.random.PRNGKey(0), traced_hparams(algorithm, 1))
+        mem = lowered.compile().memory_analysis()
+        if mem is not None:
+            out["memory_mb"] = (mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes) / 2**20
+    times = []
+    for r in range(rounds + 1):
+        hp = traced_hparams(algorithm, r + 1)
+        t = _timed(lambda: jax.block_until_ready(step(state, arrays, jax.random.PRNGKey(r), hp)))
+        times.append(t)
+    out["compile_s"] = times[0]
+    out["round_s"] = statistics.median(times[1:])
+    return out
+
+
+def time_aggregation(algorithm, fed, rounds: int = 5) -> float:
+    """Seconds of ``server_update`` alone on a cohort's worth of messages."""
+    import jax
+    import jax.numpy as jnp
+    from bfedjax.core import ClientContext, ClientData, local_training
+    from bfedjax.core.simulate import traced_hparams
+    params = algorithm.model.init(jax.random.PRNGKey(0), jnp.zeros((1,) + fed.input_shape))["params"]
+    server = algorithm.server_init(params)
+    hp = traced_hparams(algorithm, 1)
+    ctx = ClientContext(server, (), ClientData(jnp.asarray(fed.x[0]), jnp.asarray(fed.y[0]), jnp.int32(0)), hp)
+    message, _ = jax.eval_shape(lambda: local_training(algorithm, ctx, jax.random.PRNGKey(0)))
+    messages = jax.tree.map(lambda s: jnp.ones((fed.num_clients,) + s.shape, s.dtype), message)
+    weights = jnp.asarray(fed.weights)
+    update = jax.jit(algorithm.server_update)
+    jax.block_until_ready(update(server, messages, weights, hp))
+    return min(_timed(lambda: jax.block_until_ready(update(server, messages, weights, hp))) for _ in range(rounds))
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    import jax
+    import bfedjax as bf
+    from experiments import bench_torch
+
+    rounds = FLAGS.rounds or (2 if FLAGS.quick else 3)
+    data = load_images()
+    model = bf.models.get_model("mlp", 10, hidden=(200, 200))
+    flops_per_sample = training_flops_per_sample(model, data.x_train.shape[1:])
+    peak = matmul_peak_flops()
+    device = jax.devices()[0]
+    machine = {"platform": device.platform, "device": str(device.device_kind), "cpu_count": os.cpu_count(),
+               "processor": platform.processor() or platform.machine(), "jax": jax.__version__}
+    print(f"machine: {machine}; matmul peak {peak / 1e9:.1f} GFLOP/s; data: {data.name}", flush=True)
+    backends = list(FLAGS.backends)
+    if "torch" in backends and not bench_torch.available():
+        print("torch is not installed: skipping the PyTorch loop (pip install -e '.[bench]')", flush=True)
+        backends.remove("torch")
+
+    rows = []
+    for config in configurations(FLAGS.quick):
+        if FLAGS.only and not any(s in config.name for s in FLAGS.only):
+            continue
+        fed = federate(data, config)
+        real_samples = int(fed.counts.sum())
+        ratio = fed.padded_work_ratio(config.batch_size, config.clients_per_chunk)
+        for name in FLAGS.algorithms:
+            algorithm = bf.algorithms.ALGORITHMS[name](model, lr=0.01, batch_size=config.batch_size)
+            agg_s = time_aggregation(algorithm, fed)
+            for backend in backends:
+                if backend == "torch":
+                    if config.clients_per_chunk:  # chunking is a library notion; torch runs once per partition
+                        continue
+                    times = bench_torch.time_rounds(fed, algorithm=name, hidden=(200, 200),
+                                                    batch_size=config.batch_size, rounds=rounds + 1)
+                    result = {"compile_s": times[0], "round_s": statistics.median(times[1:])}
+                else:
+                    result = time_library(algorithm, fed, config, backend, rounds)
+                result.update(config=config.name, algorithm=name, backend=backend, clients=fed.num_clients,
+                              batch_size=config.batch_size, padded_work_ratio=ratio if backend == "vmap" else 1.0,
+                              samples_per_s=real_samples / result["round_s"],
+                              gflops=real_samples * flops_per_sample / result["round_s"] / 1e9,
+                              aggregation_share=agg_s / result["round_s"] if backend == "vmap" else None)
+                result["peak_fraction"] = result["gflops"] * 1e9 / peak
+                rows.append(result)
+                print(f"{config.name:38s} {name:7s} {backend:9s} round {result['round_s']:8.3f}s  "
+                      f"{result['samples_per_s']:10.0f} samples/s  {result['gflops']:6.1f} GFLOP/s "
+                      f"({100 * result['peak_fraction']:4.1f}% of peak)", flush=True)
+
+    os.makedirs(FLAGS.output_dir, exist_ok=True)
+    report = {"machine": machine, "matmul_peak_gflops": peak / 1e9, "data": data.name, "rows": rows,
+              "targets": check_targets(rows)}
+    with open(os.path.join(FLAGS.output_dir, "bench.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    text = markdown(report)
+    with open(os.path.join(FLAGS.output_dir, "bench.md"), "w") as f:
+        f.write(text)
+    print("\n" + text)
+
+
+def _find(rows, config, algorithm, backend):
+    for r in rows:
+        if r["config"] == config and r["algorithm"] == algorithm and r["backend"] == backend:
+            return r
+    return None
+
+
+def check_targets(rows) -> list[dict]:
+    """Issue 3's CPU targets, evaluated on this run's rows (missing measurements are skipped)."""
+    out = []
+
+    def add(name, value, goal, met):
+        out.append({"target": name, "value": value, "goal": goal, "met": bool(met)})
+
+    for other, goal in (("stepwise", 2.0), ("torch", 2.0)):
+        v, o = _find(rows, "mlp K=100 B=10", "fedavg", "vmap"), _find(rows, "mlp K=100 B=10", "fedavg", other)
+        if v and o:
+            add(f"vmap speed-up over {other}, K=100 B=10 (FedAvg)", o["round_s"] / v["round_s"], f">= {goal}x",
+                o["round_s"] / v["round_s"] >= goal)
+    v = _find(rows, "mlp K=100 B=50", "fedavg", "vmap")
+    if v:
+        add("fraction of matmul peak, MLP K=100 B=50", v["peak_fraction"], ">= 0.5", v["peak_fraction"] >= 0.5)
+    a, f = _find(rows, "mlp K=100 B=10", "fedavg", "vmap"), _find(rows, "mlp K=100 B=10", "fola", "vmap")
+    if a and f:
+        add("FOLA round / FedAvg round, K=100 B=10", f["round_s"] / a["round_s"], "<= 1.3x", f["round_s"] / a["round_s"] <= 1.3)
+    shares = [r["aggregation_share"] for r in rows if r["aggregation_share"] is not None]
+    if shares:
+        add("largest aggregation share of a round", max(shares), "<= 0.05", max(shares) <= 0.05)
+    for config in ("fmnist dir0.01 N=20 B=32 chunks of 2", "power-law N=100 B=10 chunks of 10"):
+        v, s = _find(rows, config, "fola", "vmap"), _find(rows, config, "fola", "stepwise")
+        if v:
+            add(f"padded-work ratio, {config}", v["padded_work_ratio"], "<= 1.25", v["padded_work_ratio"] <= 1.25)
+        if v and s:
+            add(f"vmap speed-up over stepwise, {config} (FOLA)", s["round_s"] / v["round_s"], ">= 1.5x",
+                s["round_s"] / v["round_s"] >= 1.5)
+    return out
+
+
+def markdown(report) -> str:
+    m = report["machine"]
+    lines = [f"Machine: {m['platform']} ({m['device']}), {m['cpu_count']} cores, jax {m['jax']}; "
+             f"measured matmul peak {report['matmul_peak_gflops']:.1f} GFLOP/s; data {report['data']}.", "",
+             "| configuration | algorithm | backend | round (s) | samples/s | GFLOP/s | % of peak | memory (MB) | aggregation share | padded work |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        mem = f"{r['memory_mb']:.0f}" if r.get("memory_mb") else "-"
+        agg = f"{100 * r['aggregation_share']:.1f}%" if r["aggregation_share"] is not None else "-"
+        lines.append(f"| {r['config']} | {r['algorithm']} | {r['backend']} | {r['round_s']:.3f} | {r['samples_per_s']:.0f} | "
+                     f"{r['gflops']:.1f} | {100 * r['peak_fraction']:.1f} | {mem} | {agg} | {r['padded_work_ratio']:.2f} |")
+    lines += ["", "| target | value | goal | met |", "|---|---|---|---|"]
+    for t in report["targets"]:
+        lines.append(f"| {t['target']} | {t['value']:.3g} | {t['goal']} | {'yes' if t['met'] else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    app.run(main)
