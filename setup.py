@@ -23,6 +23,8 @@ setup(
     ],
     extras_require={
         "tfds": ["tensorflow-datasets>=4.9.6", "array_record>=0.5"],
+        # The PyTorch loop of experiments/bench.py. Pinned: an open range pulls a multi-GB CUDA build.
+        "bench": ["torch==2.13.0"],
         "dev": [
             "pytest>=7",
             "pytest-xdist>=3",

@@ -67,6 +67,8 @@ class RoundConfig:
     clients_per_chunk: clients trained at once; ``None`` trains the whole cohort in one vmap.
     evaluate_local: also score every local model on the test set (LA).
     eval_batch_size: test-set evaluation batch.
+    pad_cohort_to: round the cohort up to a multiple of this (the device count when the
+      client axis is sharded); the extra slots are empty, zero-weight clients.
     """
 
     num_clients: int
@@ -74,6 +76,7 @@ class RoundConfig:
     clients_per_chunk: int | None = None
     evaluate_local: bool = True
     eval_batch_size: int = 1000
+    pad_cohort_to: int = 1
 
     def __post_init__(self):
         if not 1 <= self.clients_per_round <= self.num_clients:
@@ -85,8 +88,8 @@ class RoundConfig:
     @property
     def padded_cohort(self) -> int:
         """Cohort size rounded up to a whole number of chunks (extra slots are zero-weight)."""
-        c = self.clients_per_chunk or self.clients_per_round
-        return math.ceil(self.clients_per_round / c) * c
+        multiple = math.lcm(self.clients_per_chunk or 1, self.pad_cohort_to)
+        return math.ceil(self.clients_per_round / multiple) * multiple
 
 
 def apply_fn_of(model):
@@ -146,8 +149,11 @@ def _sample_cohort(config: RoundConfig, arrays: RoundArrays, key) -> _Cohort:
     sample_key, client_key = jax.random.split(key)
     if k == n:
         ids = jnp.arange(n, dtype=jnp.int32)
-    else:
-        ids = jax.random.choice(sample_key, n, (k,), replace=False).astype(jnp.int32)
+    else:  # k clients without replacement, never a zero-weight (padding) client; a client's
+        # score depends only on (key, id), so padding the federation does not change the draw
+        scores = jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(sample_key, i)))(jnp.arange(n))
+        scores = jnp.where(arrays.base_weights > 0, scores, -1.0)
+        ids = jax.lax.top_k(scores, k)[1].astype(jnp.int32)
     if config.clients_per_chunk is not None:  # largest first, so each chunk holds similar sizes
         ids = ids[jnp.argsort(-arrays.counts[ids], stable=True)]
     ids = jnp.concatenate([ids, jnp.full((kp - k,), n, jnp.int32)])

@@ -64,7 +64,7 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
              participation: float | None = None,
              clients_per_chunk: int | None = None, backend: str = "vmap", client_weights=None,
              hparams_fn: Callable[[int], dict] | None = None, evaluate_local: bool = True,
-             init_params=None, checkpoint_dir: str | None = None, diagnostics: bool = True,
+             init_params=None, checkpoint_dir: str | None = None, diagnostics: bool = True, mesh=None,
              on_round: Callable[[dict], None] | None = None) -> SimulationResult:
     """Runs ``rounds`` federated rounds.
 
@@ -80,6 +80,8 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
       hparams_fn: ``round -> {"lr": ..., "lam": ...}`` overrides per round (traced).
       init_params: initial model parameters (default: the model's init).
       checkpoint_dir: save after every round and resume from the latest save.
+      mesh: a ``jax.sharding.Mesh`` with axis ``'clients'`` (``core.sharding.client_mesh()``):
+        clients are sharded over its devices, the server state is replicated.
       diagnostics: add ``algorithm.diagnostics(server_state)`` (e.g. FOLA's precision
         statistics) to every round's record; computed outside the round step.
       on_round: called with each round's record (a dict of floats).
@@ -87,13 +89,20 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
     if rounds < 1:
         raise ValueError(f"rounds={rounds} must be >= 1")
     k = cohort_size(fed.num_clients, clients_per_round, participation)
-    config = RoundConfig(num_clients=fed.num_clients, clients_per_round=k,
-                         clients_per_chunk=clients_per_chunk, evaluate_local=evaluate_local)
+    num_clients, arrays = fed.num_clients, round_arrays(fed, client_weights)
+    if mesh is not None:
+        from bfedjax.core import sharding
+        num_clients = sharding.padded_client_count(fed.num_clients, mesh)
+        k = num_clients if k == fed.num_clients else k  # everyone: padding clients ride along, weight 0
+        arrays = sharding.shard_arrays(sharding.pad_clients(arrays, num_clients), mesh)
+    config = RoundConfig(num_clients=num_clients, clients_per_round=k, clients_per_chunk=clients_per_chunk,
+                         evaluate_local=evaluate_local, pad_cohort_to=mesh.devices.size if mesh is not None else 1)
     if init_params is None:
         dummy = jnp.zeros((1,) + fed.input_shape, jnp.float32)
         init_params = algorithm.model.init(jax.random.fold_in(key, 0), dummy)["params"]
-    state = init_state(algorithm, init_params, fed.num_clients)
-    arrays = round_arrays(fed, client_weights)
+    state = init_state(algorithm, init_params, num_clients)
+    if mesh is not None:
+        state = sharding.shard_state(state, mesh)
     round_step = make_round_step(algorithm, config, backend)
     diagnose = jax.jit(algorithm.diagnostics) if diagnostics and algorithm.diagnostics else None
 

@@ -1,0 +1,38 @@
+"""Run by tests/test_sharding.py in a process with 8 forced CPU devices: 8-device results equal 1-device ones."""
+import os
+import sys
+
+assert "--xla_force_host_platform_device_count=8" in os.environ.get("XLA_FLAGS", "")
+import chex  # noqa: E402
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import bfedjax as bf  # noqa: E402
+from bfedjax.core.sharding import client_mesh  # noqa: E402
+
+assert jax.device_count() == 8, jax.devices()
+data = bf.data.load("digits")
+parts = bf.data.partition(data.y_train[:500], "dirichlet_per_class", 5, seed=0, alpha=0.5)
+fed = bf.data.stack_clients(data.x_train[:500], data.y_train[:500], parts, x_test=data.x_test, y_test=data.y_test,
+                            num_classes=10)
+model = bf.models.get_model("mlp", 10, hidden=(16,))
+mesh = client_mesh()
+cases = {
+    "fola_everyone": (bf.algorithms.fola(model, lr=0.1, lam=10.0, batch_size=16), {}),
+    "fedavg_sampled": (bf.algorithms.fedavg(model, lr=0.1, batch_size=16), {"clients_per_round": 3}),
+    "fedcurv_loo": (bf.algorithms.fedcurv(model, lr=0.1, batch_size=16, variant="leave_one_out"), {}),
+}
+for name, (algo, kwargs) in cases.items():
+    run = lambda m: bf.simulate(algo, fed, rounds=2, key=jax.random.PRNGKey(0), mesh=m, **kwargs)
+    one, eight = run(None), run(mesh)
+    np.testing.assert_allclose(one.metrics["global_accuracy"], eight.metrics["global_accuracy"], atol=1e-6)
+    np.testing.assert_allclose(one.metrics["local_accuracy"], eight.metrics["local_accuracy"], atol=1e-6)
+    chex.assert_trees_all_close(one.state.server, eight.state.server, rtol=1e-5, atol=1e-6)
+    if one.state.persistent:
+        chex.assert_trees_all_close(one.state.persistent, jax.tree.map(lambda p: p[:5], eight.state.persistent),
+                                    rtol=1e-5, atol=1e-6)
+    leaf = jax.tree.leaves(eight.state.server)[0]
+    assert len(leaf.sharding.device_set) == 8, leaf.sharding
+    print(name, "ok", flush=True)
+print("SHARDING OK")
+sys.exit(0)
