@@ -13,7 +13,7 @@ setup(
     install_requires=[
         "jax>=0.4.30",
         "flax>=0.8",
-        "optax>=0.2",
+        "optax>=0.2.5",
         "numpyro>=0.15",
         "chex>=0.1.86",
         "absl-py>=2.0",

@@ -51,3 +51,14 @@ def test_flagfiles_parse():
                 assert len(parse_class_groups(FLAGS.class_groups)) == FLAGS.num_clients
         finally:
             FLAGS.unparse_flags()
+
+
+def test_bench_quick_smoke(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "experiments.bench", "--only=K=10 B=10", "--rounds=1",
+                          "--backends=vmap,stepwise", "--algorithms=fedavg", "--cpu_chunk=0",
+                          f"--output_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert {r["backend"] for r in report["rows"]} == {"vmap", "stepwise"}
+    assert all(r["round_s"] > 0 and r["samples_per_s"] > 0 for r in report["rows"])
+    assert "| mlp K=10 B=10 | fedavg | vmap |" in (tmp_path / "bench.md").read_text()

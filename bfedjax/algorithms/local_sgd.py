@@ -83,13 +83,26 @@ def make_sgd_client(model, *, prior_fn: PriorFn | None = None, fisher: str | Non
             lam = ctx.hparams["lam"]
             grad = jax.tree.map(lambda g, t, c, p: g + lam * p * (t - c), grad, local.params, center,
                                 _broadcast(precision, local.params))
-        updates, opt_state = tx.update(grad, local.opt_state, local.params)
         lr = ctx.hparams["lr"]
-        params = jax.tree.map(lambda t, u: t - lr * u, local.params, updates)
+        if momentum:
+            updates, opt_state = tx.update(grad, local.opt_state, local.params)
+            params = jax.tree.map(lambda t, u: t - lr * u, local.params, updates)
+        else:  # plain SGD: clipping folded into one scalar step size, one fused pass per leaf
+            opt_state = local.opt_state
+            step = lr * clip_scale(grad, clip_norm)
+            params = jax.tree.map(lambda t, g: t - step * g, local.params, grad)
         acc = jax.tree.map(jnp.add, local.fisher, increment) if fisher is not None else ()
         return LocalState(params, opt_state, acc, local.steps + 1)
 
     return client_init, client_step
+
+
+def clip_scale(grad, clip_norm: float | None) -> jax.Array:
+    """Scalar factor of global-norm clipping (as ``optax.clip_by_global_norm``): 1 below the norm."""
+    if clip_norm is None:
+        return jnp.ones((), jnp.float32)
+    norm = optax.tree.norm(grad)
+    return jnp.where(norm < clip_norm, 1.0, clip_norm / norm)
 
 
 def _broadcast(precision, like):
