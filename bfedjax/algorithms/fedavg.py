@@ -2,8 +2,7 @@
 from __future__ import annotations
 
 from bfedjax.algorithms.local_sgd import make_sgd_client
-from bfedjax.core.types import Algorithm
-from bfedjax.posteriors.aggregation import weighted_mean
+from bfedjax.core.types import Algorithm, server_update_from_stats
 
 
 def params_server_init(params):
@@ -16,9 +15,17 @@ def params_message(local, ctx):
     return {"params": local.params}, ()
 
 
-def mean_server_update(server, messages, weights, hparams):
+def params_stats(message):
+    """FedAvg's statistic: the local weights (their weighted sum is Eq. 6)."""
+    return message["params"]
+
+
+def mean_from_stats(server, summed_params, hparams):
     del server, hparams
-    return {"params": weighted_mean(messages["params"], weights)}
+    return {"params": summed_params}
+
+
+mean_server_update = server_update_from_stats(params_stats, mean_from_stats)
 
 
 def fedavg(model, *, lr: float = 0.01, local_epochs: int = 1, batch_size: int = 32,
@@ -30,4 +37,5 @@ def fedavg(model, *, lr: float = 0.01, local_epochs: int = 1, batch_size: int = 
         server_init=params_server_init, client_init=client_init, client_step=client_step,
         client_final=params_message, server_update=mean_server_update,
         global_params=lambda server: server["params"],
-        local_epochs=local_epochs, batch_size=batch_size, hparams={"lr": lr, "lam": 0.0})
+        local_epochs=local_epochs, batch_size=batch_size, hparams={"lr": lr, "lam": 0.0},
+        client_stats=params_stats, server_from_stats=mean_from_stats)

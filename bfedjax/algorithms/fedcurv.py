@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from bfedjax.algorithms.local_sgd import make_sgd_client
 from bfedjax.core.engine import apply_fn_of
 from bfedjax.core.tree import tree_sub, tree_zeros_like, weighted_sum
-from bfedjax.core.types import Algorithm
+from bfedjax.core.types import Algorithm, server_update_from_stats
 from bfedjax.laplace.fisher import offline_fisher
 from bfedjax.posteriors.aggregation import weighted_mean
 
@@ -62,11 +62,16 @@ def fedcurv(model, *, lam: float = 100.0, lr: float = 0.01, local_epochs: int = 
             return {"params": params, "precision": tree_zeros_like(params)}
         return {"params": params, "u_sum": tree_zeros_like(params), "v_sum": tree_zeros_like(params)}
 
-    def server_update(server, messages, weights, hparams):
+    def client_stats(message):  # authors' variant: weighted means of weights and Fishers
+        return {"params": message["params"], "precision": message["precision"]}
+
+    def server_from_stats(server, stats, hparams):
+        del server, hparams
+        return stats
+
+    def loo_server_update(server, messages, weights, hparams):
         del hparams
         params = weighted_mean(messages["params"], weights)
-        if not loo:
-            return {"params": params, "precision": weighted_mean(messages["precision"], weights)}
         real = (weights > 0).astype(jnp.float32)
         add = lambda total, delta: jax.tree.map(jnp.add, total, weighted_sum(delta, real))
         return {"params": params, "u_sum": add(server["u_sum"], messages["delta_u"]),
@@ -76,7 +81,9 @@ def fedcurv(model, *, lam: float = 100.0, lr: float = 0.01, local_epochs: int = 
     return Algorithm(
         name="fedcurv", model=model,
         server_init=server_init, client_init=client_init, client_step=client_step,
-        client_final=client_final, server_update=server_update,
+        client_final=client_final,
+        server_update=loo_server_update if loo else server_update_from_stats(client_stats, server_from_stats),
         global_params=lambda server: server["params"],
         local_epochs=local_epochs, batch_size=batch_size, hparams={"lr": lr, "lam": lam},
-        persistent_init=persistent_init)
+        persistent_init=persistent_init,
+        client_stats=None if loo else client_stats, server_from_stats=None if loo else server_from_stats)

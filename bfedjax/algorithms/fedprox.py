@@ -5,7 +5,7 @@ gradient clipping, which is the default here.
 """
 from __future__ import annotations
 
-from bfedjax.algorithms.fedavg import mean_server_update, params_message, params_server_init
+from bfedjax.algorithms.fedavg import mean_from_stats, mean_server_update, params_message, params_server_init, params_stats
 from bfedjax.algorithms.local_sgd import make_sgd_client
 from bfedjax.core.types import Algorithm
 
@@ -24,4 +24,5 @@ def fedprox(model, *, mu: float = 0.01, lr: float = 0.01, local_epochs: int = 1,
         server_init=params_server_init, client_init=client_init, client_step=client_step,
         client_final=params_message, server_update=mean_server_update,
         global_params=lambda server: server["params"],
-        local_epochs=local_epochs, batch_size=batch_size, hparams={"lr": lr, "lam": mu})
+        local_epochs=local_epochs, batch_size=batch_size, hparams={"lr": lr, "lam": mu},
+        client_stats=params_stats, server_from_stats=mean_from_stats)

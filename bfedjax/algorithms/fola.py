@@ -37,9 +37,9 @@ import jax.numpy as jnp
 from bfedjax.algorithms.local_sgd import make_sgd_client
 from bfedjax.core.engine import apply_fn_of
 from bfedjax.core.tree import tree_zeros_like
-from bfedjax.core.types import Algorithm
+from bfedjax.core.types import Algorithm, server_update_from_stats
 from bfedjax.laplace.fisher import ESTIMATORS, offline_fisher
-from bfedjax.posteriors.aggregation import gaussian_product
+from bfedjax.posteriors.aggregation import gaussian_product_from_stats, gaussian_product_stats
 from bfedjax.posteriors.gaussian import DiagGaussian
 
 FISHER_MODES = ESTIMATORS + ("offline",)
@@ -139,9 +139,12 @@ def fola(model, *, lr: float = 0.01, lam: float = 1e3, local_epochs: int = 1, ba
     def server_init(params):
         return {"params": params, "precision": tree_zeros_like(params)}
 
-    def server_update(server, messages, weights, hparams):
+    def client_stats(message):
+        return gaussian_product_stats(DiagGaussian(message["params"], message["precision"]))
+
+    def server_from_stats(server, stats, hparams):
         del server, hparams
-        posterior = gaussian_product(DiagGaussian(messages["params"], messages["precision"]), weights, cfg.eps)
+        posterior = gaussian_product_from_stats(stats, cfg.eps)
         return {"params": posterior.mean, "precision": posterior.precision}
 
     def diagnostics(server):
@@ -153,7 +156,7 @@ def fola(model, *, lr: float = 0.01, lam: float = 1e3, local_epochs: int = 1, ba
     return Algorithm(
         name="fola", model=model,
         server_init=server_init, client_init=client_init, client_step=client_step,
-        client_final=client_final, server_update=server_update,
+        client_final=client_final, server_update=server_update_from_stats(client_stats, server_from_stats),
         global_params=lambda server: server["params"],
         local_epochs=local_epochs, batch_size=batch_size, hparams={"lr": lr, "lam": lam},
-        diagnostics=diagnostics)
+        diagnostics=diagnostics, client_stats=client_stats, server_from_stats=server_from_stats)

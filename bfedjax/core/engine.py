@@ -13,7 +13,10 @@ recompiles.
 
 The ``sequential`` backend runs the same per-client function in a Python loop
 (one jitted call per client) and the same aggregation; tests use it to prove
-the vmapped round computes the same maths. The ``stepwise`` backend is the
+the vmapped round computes the same maths. With ``clients_per_chunk`` and an
+algorithm whose aggregation is a weighted sum of per-client statistics, the
+chunks stream into a running sum under ``lax.scan`` (memory independent of
+the cohort size); otherwise chunk messages are stacked for ``server_update``. The ``stepwise`` backend is the
 design most simulators use (FedJAX's default): a Python loop over clients and
 over their batches, one jitted ``client_step`` per batch; it is the baseline
 of ``experiments/bench.py`` and is parity-tested too.
@@ -28,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from bfedjax.core.batching import batch_is_real, epoch_permutation, take_batch
-from bfedjax.core.tree import tree_stack
+from bfedjax.core.tree import tree_stack, weighted_sum
 from bfedjax.core.types import Algorithm, ClientContext, ClientData
 from bfedjax.metrics.classification import evaluate, evaluate_many
 
@@ -180,19 +183,64 @@ def _run_one_client(algorithm, state, arrays, hparams, client_id, key):
     return local_training(algorithm, ctx, key)
 
 
+def _evaluate_global(algorithm, config, arrays, server):
+    ga, loss = evaluate(apply_fn_of(algorithm.model), algorithm.global_params(server), arrays.x_test,
+                        arrays.y_test, config.eval_batch_size)
+    return {"global_accuracy": ga, "global_loss": loss}
+
+
+def _local_accuracy_sum(algorithm, config, arrays, stacked_params, weights):
+    """sum_c w_c * acc(local model c) on the test set (the LA of the paper)."""
+    accs, _ = evaluate_many(apply_fn_of(algorithm.model), stacked_params, arrays.x_test, arrays.y_test,
+                            config.eval_batch_size)
+    return jnp.sum(weights * accs)
+
+
+def _scatter(persistent, ids, new):
+    return jax.tree.map(lambda all_, n: all_.at[ids].set(n, mode="drop"), persistent, new)
+
+
 def _finish(algorithm, config, state, arrays, cohort, messages, new_persistent, hparams):
-    """Aggregation, persistent-state scatter and evaluation (shared by both backends)."""
-    apply_fn = apply_fn_of(algorithm.model)
+    """Aggregation of stacked messages, persistent-state scatter and evaluation (all backends)."""
     server = algorithm.server_update(state.server, messages, cohort.weights, hparams)
-    persistent = jax.tree.map(lambda all_, new: all_.at[cohort.ids].set(new, mode="drop"),
-                              state.persistent, new_persistent)
-    ga, loss = evaluate(apply_fn, algorithm.global_params(server), arrays.x_test, arrays.y_test,
-                        config.eval_batch_size)
-    metrics = {"global_accuracy": ga, "global_loss": loss}
+    metrics = _evaluate_global(algorithm, config, arrays, server)
     if config.evaluate_local:
-        local_acc, _ = evaluate_many(apply_fn, messages["params"], arrays.x_test, arrays.y_test,
-                                     config.eval_batch_size)
-        metrics["local_accuracy"] = jnp.sum(cohort.weights * local_acc)
+        metrics["local_accuracy"] = _local_accuracy_sum(algorithm, config, arrays, messages["params"],
+                                                        cohort.weights)
+    return EngineState(server, _scatter(state.persistent, cohort.ids, new_persistent)), metrics
+
+
+def _streamed_round(algorithm, config, state, arrays, cohort, train, hparams):
+    """Chunks run under ``lax.scan`` into a running weighted sum of ``client_stats``.
+
+    Memory holds one chunk's clients and one copy of the statistics, whatever
+    the cohort size; LA is accumulated chunk by chunk too.
+    """
+    chunk = config.clients_per_chunk
+    n_chunks = config.padded_cohort // chunk
+    split = lambda a: a.reshape((n_chunks, chunk) + a.shape[1:])
+    ids, keys, weights = split(cohort.ids), split(cohort.keys), split(cohort.weights)
+
+    def chunk_stats(messages, w):
+        return weighted_sum(jax.vmap(algorithm.client_stats)(messages), w)
+
+    shapes = jax.eval_shape(lambda: chunk_stats(train(ids[0], keys[0])[0], weights[0]))
+    init = (jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), state.persistent, jnp.zeros(()))
+
+    def body(carry, xs):
+        stats, persistent, local_acc = carry
+        chunk_ids, chunk_keys, w = xs
+        messages, new_persistent = train(chunk_ids, chunk_keys)
+        stats = jax.tree.map(jnp.add, stats, chunk_stats(messages, w))
+        if config.evaluate_local:
+            local_acc = local_acc + _local_accuracy_sum(algorithm, config, arrays, messages["params"], w)
+        return (stats, _scatter(persistent, chunk_ids, new_persistent), local_acc), None
+
+    (stats, persistent, local_acc), _ = jax.lax.scan(body, init, (ids, keys, weights))
+    server = algorithm.server_from_stats(state.server, stats, hparams)
+    metrics = _evaluate_global(algorithm, config, arrays, server)
+    if config.evaluate_local:
+        metrics["local_accuracy"] = local_acc
     return EngineState(server, persistent), metrics
 
 
@@ -225,6 +273,8 @@ def _vmapped_round(algorithm, config, state, arrays, key, hparams):
         messages, new_persistent = jax.vmap(train_in_place)(data, state.persistent, cohort.keys)
     elif chunk is None or chunk >= config.padded_cohort:
         messages, new_persistent = train(cohort.ids, cohort.keys)
+    elif algorithm.client_stats is not None:
+        return _streamed_round(algorithm, config, state, arrays, cohort, train, hparams)
     else:
         n_chunks = config.padded_cohort // chunk
         ids = cohort.ids.reshape(n_chunks, chunk)

@@ -65,6 +65,11 @@ class Algorithm(NamedTuple):
     global_params(server_state) -> params used for evaluation (GA).
     persistent_init(params) -> one client's persistent state, or None.
     diagnostics(server_state) -> dict of scalars ``simulate`` adds to each round's record, or None.
+    client_stats(message) -> stats, and server_from_stats(server_state, stats, hparams) -> server_state:
+        optional; when the rule is a weighted sum of per-client statistics
+        (``server_update == server_from_stats(sum_c w_c client_stats(m_c))``) the
+        engine streams chunked cohorts through a running sum instead of stacking
+        every message, so memory does not grow with the cohort.
 
     model: the Flax module whose ``apply({"params": p}, x)`` gives logits.
     local_epochs, batch_size: static local-training shape.
@@ -84,3 +89,15 @@ class Algorithm(NamedTuple):
     hparams: dict
     persistent_init: Callable | None = None
     diagnostics: Callable | None = None
+    client_stats: Callable | None = None
+    server_from_stats: Callable | None = None
+
+
+def server_update_from_stats(client_stats: Callable, server_from_stats: Callable) -> Callable:
+    """The stacked ``server_update`` of a rule given as summed per-client statistics."""
+    from bfedjax.core.tree import weighted_sum
+
+    def server_update(server, messages, weights, hparams):
+        return server_from_stats(server, weighted_sum(jax.vmap(client_stats)(messages), weights), hparams)
+
+    return server_update

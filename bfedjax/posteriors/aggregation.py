@@ -19,6 +19,18 @@ def weighted_mean(stacked_params, weights: jax.Array):
     return weighted_sum(stacked_params, weights)
 
 
+def gaussian_product_stats(posterior: DiagGaussian):
+    """Per-client sufficient statistics of the product: ``(precision * mean, precision)``."""
+    return (jax.tree.map(jnp.multiply, posterior.precision, posterior.mean), posterior.precision)
+
+
+def gaussian_product_from_stats(summed_stats, eps: float = 0.0) -> DiagGaussian:
+    """The product from ``sum_c w_c * gaussian_product_stats(posterior_c)``."""
+    weighted_means, precision = summed_stats
+    mean = jax.tree.map(lambda num, prec: num / (prec + eps), weighted_means, precision)
+    return DiagGaussian(mean, precision)
+
+
 def gaussian_product(stacked: DiagGaussian, weights: jax.Array, eps: float = 0.0) -> DiagGaussian:
     """Product of client Gaussians raised to powers ``w_c`` (FOLA Eqs. 11-12, diagonal form).
 
@@ -34,11 +46,8 @@ def gaussian_product(stacked: DiagGaussian, weights: jax.Array, eps: float = 0.0
     Returns:
       ``DiagGaussian`` with leaves ``[...]``.
     """
-    precision = weighted_sum(stacked.precision, weights)
-    weighted_means = jax.tree.map(jnp.multiply, stacked.precision, stacked.mean)
-    numerator = weighted_sum(weighted_means, weights)
-    mean = jax.tree.map(lambda num, prec: num / (prec + eps), numerator, precision)
-    return DiagGaussian(mean, precision)
+    stats = jax.vmap(gaussian_product_stats)(stacked)
+    return gaussian_product_from_stats(weighted_sum(stats, weights), eps)
 
 
 def moment_matched_mixture(stacked: DiagGaussian, weights: jax.Array) -> DiagGaussian:
