@@ -94,10 +94,22 @@ class Algorithm(NamedTuple):
 
 
 def server_update_from_stats(client_stats: Callable, server_from_stats: Callable) -> Callable:
-    """The stacked ``server_update`` of a rule given as summed per-client statistics."""
-    from bfedjax.core.tree import weighted_sum
+    """The stacked ``server_update`` of a rule given as summed per-client statistics.
+
+    The sum runs as a ``lax.scan`` over clients, so per-client statistics
+    (e.g. precision * mean) are fused into the accumulation and never
+    materialised as ``[C, ...]`` arrays.
+    """
 
     def server_update(server, messages, weights, hparams):
-        return server_from_stats(server, weighted_sum(jax.vmap(client_stats)(messages), weights), hparams)
+        first = jax.tree.map(lambda m: m[0], messages)
+        zeros = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), jax.eval_shape(client_stats, first))
+
+        def add(total, message_and_weight):
+            message, weight = message_and_weight
+            return jax.tree.map(lambda t, s: t + weight * s, total, client_stats(message)), None
+
+        total, _ = jax.lax.scan(add, zeros, (messages, weights))
+        return server_from_stats(server, total, hparams)
 
     return server_update
