@@ -1,10 +1,17 @@
-"""Diagonal-Gaussian posteriors and the statistical aggregation rules."""
-from bfedjax.posteriors.aggregation import (gaussian_product, gaussian_product_from_stats, gaussian_product_stats,
-                                            moment_matched_mixture, weighted_mean)
-from bfedjax.posteriors.gaussian import DiagGaussian, from_scale, log_density, quadratic_penalty
+"""Diagonal-Gaussian posteriors, every aggregation rule, and client weightings."""
+from bfedjax.posteriors import weighting
+from bfedjax.posteriors.aggregation import (RULES, aggregate, centered_linear_pool, conflation,
+                                            distributed_weight_consolidation, gaussian_product,
+                                            gaussian_product_from_stats, gaussian_product_stats, linear_pool,
+                                            log_linear_pool, moment_matched_mixture, nwa, weighted_conflation,
+                                            weighted_mean, weighted_sum_of_normals)
+from bfedjax.posteriors.gaussian import (DiagGaussian, from_scale, from_variance, kl_divergence, log_density,
+                                         quadratic_penalty, rho_to_scale, scale_to_rho, softplus_inverse)
 
 __all__ = [
-    "DiagGaussian", "from_scale", "log_density", "quadratic_penalty",
-    "gaussian_product", "gaussian_product_from_stats", "gaussian_product_stats", "moment_matched_mixture",
-    "weighted_mean",
+    "RULES", "DiagGaussian", "aggregate", "centered_linear_pool", "conflation",
+    "distributed_weight_consolidation", "from_scale", "from_variance", "gaussian_product",
+    "gaussian_product_from_stats", "gaussian_product_stats", "kl_divergence", "linear_pool", "log_density",
+    "log_linear_pool", "moment_matched_mixture", "nwa", "quadratic_penalty", "rho_to_scale", "scale_to_rho",
+    "softplus_inverse", "weighted_conflation", "weighted_mean", "weighted_sum_of_normals", "weighting",
 ]

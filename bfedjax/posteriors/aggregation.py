@@ -2,8 +2,17 @@
 
 Every rule is a pure function of client posteriors stacked on a leading axis
 ``[C, ...]`` and client weights ``[C]`` (non-negative; the engine passes
-weights summing to one over the cohort, zero for padding clients). Algorithms
-call these rules; they never re-implement them.
+weights summing to one over the cohort, zero for padding clients, which every
+rule ignores). Algorithms call these rules; they never re-implement them.
+
+FOLA (Liu et al.): ``gaussian_product`` (Eq. 12), ``moment_matched_mixture``
+(Eqs. 5-7), ``weighted_mean`` (Eq. 6).
+Fischer et al. section 2.5, elementwise on (mean, variance), all in
+``RULES``: ``nwa`` (Eq. 10, = CLP), ``weighted_sum_of_normals`` (WS, Eq. 11),
+``linear_pool`` (LP, Eqs. 12-14), ``conflation`` (IV, Eq. 15),
+``weighted_conflation`` (WC, Eq. 16), ``log_linear_pool`` (LLP),
+``centered_linear_pool`` (CLP) and ``distributed_weight_consolidation`` (DWC,
+Eq. 17, with the guard of spec D17).
 """
 from __future__ import annotations
 
@@ -62,3 +71,110 @@ def moment_matched_mixture(stacked: DiagGaussian, weights: jax.Array) -> DiagGau
     second = jax.tree.map(lambda m, p: 1.0 / p + jnp.square(m), stacked.mean, stacked.precision)
     var = jax.tree.map(lambda s, m: weighted_sum(s, w) - jnp.square(m), second, mean)
     return DiagGaussian(mean, jax.tree.map(lambda v: 1.0 / v, var))
+
+
+# --- Fischer et al. (section 2.5): elementwise rules on (mean, variance) ---
+
+
+def _normalised(weights):
+    return weights / jnp.sum(weights)
+
+
+def _variance(stacked: DiagGaussian):
+    return jax.tree.map(lambda p: 1.0 / p, stacked.precision)
+
+
+def nwa(stacked: DiagGaussian, weights) -> DiagGaussian:
+    """Naive weighted averaging (Eq. 10): mean and variance both averaged with the weights."""
+    w = _normalised(weights)
+    mean = weighted_sum(stacked.mean, w)
+    variance = weighted_sum(_variance(stacked), w)
+    return DiagGaussian(mean, jax.tree.map(lambda v: 1.0 / v, variance))
+
+
+centered_linear_pool = nwa  # the paper: NWA "is equal to the Centered Linear Pool"
+
+
+def weighted_sum_of_normals(stacked: DiagGaussian, weights) -> DiagGaussian:
+    """WS (Eq. 11): the law of sum_k w_k theta_k for independent theta_k: variance sum_k w_k^2 sigma_k^2."""
+    w = _normalised(weights)
+    mean = weighted_sum(stacked.mean, w)
+    variance = weighted_sum(_variance(stacked), jnp.square(w))
+    return DiagGaussian(mean, jax.tree.map(lambda v: 1.0 / v, variance))
+
+
+def linear_pool(stacked: DiagGaussian, weights) -> DiagGaussian:
+    """LP (Eqs. 12-14): the moment-matched mixture sum_k w_k N(mu_k, sigma_k^2)."""
+    return moment_matched_mixture(stacked, weights)
+
+
+def conflation(stacked: DiagGaussian, weights) -> DiagGaussian:
+    """Conflation / inverse-variance weighting (Eq. 15): the normalised product of all clients.
+
+    Client weights are ignored except that zero-weight (padding) clients are left out.
+    """
+    return gaussian_product(stacked, (weights > 0).astype(jnp.float32))
+
+
+def log_linear_pool(stacked: DiagGaussian, weights) -> DiagGaussian:
+    """LLP: normalised weighted geometric mean prod_k q_k^{w_k}; precision sum_k w_k / sigma_k^2."""
+    return gaussian_product(stacked, _normalised(weights))
+
+
+def weighted_conflation(stacked: DiagGaussian, weights) -> DiagGaussian:
+    """WC (Eq. 16): LLP's mean, variance w_max / sum_k (w_k / sigma_k^2)."""
+    w = _normalised(weights)
+    pooled = gaussian_product(stacked, w)
+    return DiagGaussian(pooled.mean, jax.tree.map(lambda p: p / jnp.max(w), pooled.precision))
+
+
+def distributed_weight_consolidation(stacked: DiagGaussian, weights, prior: DiagGaussian):
+    """DWC (Eq. 17): q_g proportional to prod_k q_k / q_prior^(K-1).
+
+    precision = sum_k 1/sigma_k^2 - (K-1)/sigma_prior^2 and the matching mean.
+    Where that precision is not positive, the coordinate falls back to
+    Conflation (spec D17). K counts the clients with positive weight.
+
+    Returns ``(posterior, guard_hits)``: the number of coordinates that fell back.
+    """
+    real = (weights > 0).astype(jnp.float32)
+    k_minus_1 = jnp.sum(real) - 1.0
+    conf = gaussian_product(stacked, real)
+    stats = weighted_sum(jax.vmap(gaussian_product_stats)(stacked), real)
+
+    def leaf(num, prec, prior_mean, prior_prec, conf_mean, conf_prec):
+        dwc_prec = prec - k_minus_1 * prior_prec
+        ok = dwc_prec > 0
+        dwc_mean = (num - k_minus_1 * prior_prec * prior_mean) / jnp.where(ok, dwc_prec, 1.0)
+        return (jnp.where(ok, dwc_mean, conf_mean), jnp.where(ok, dwc_prec, conf_prec), jnp.sum(~ok))
+
+    out = jax.tree.map(leaf, stats[0], stats[1], prior.mean, prior.precision, conf.mean, conf.precision)
+    is_triple = lambda x: isinstance(x, tuple) and len(x) == 3
+    mean = jax.tree.map(lambda t: t[0], out, is_leaf=is_triple)
+    precision = jax.tree.map(lambda t: t[1], out, is_leaf=is_triple)
+    hits = sum(jax.tree.leaves(jax.tree.map(lambda t: t[2], out, is_leaf=is_triple)))
+    return DiagGaussian(mean, precision), hits
+
+
+RULES = {
+    "nwa": nwa,
+    "ws": weighted_sum_of_normals,
+    "lp": linear_pool,
+    "conflation": conflation,
+    "iv": conflation,
+    "wc": weighted_conflation,
+    "llp": log_linear_pool,
+    "clp": centered_linear_pool,
+}
+"""Rules taking ``(stacked, weights)``; DWC also needs the previous global posterior (see ``aggregate``)."""
+
+
+def aggregate(rule: str, stacked: DiagGaussian, weights, prior: DiagGaussian | None = None) -> DiagGaussian:
+    """Applies the named rule (``RULES`` or ``"dwc"``, which needs ``prior``)."""
+    if rule == "dwc":
+        if prior is None:
+            raise ValueError("rule 'dwc' needs the previous global posterior: pass prior=...")
+        return distributed_weight_consolidation(stacked, weights, prior)[0]
+    if rule not in RULES:
+        raise ValueError(f"unknown aggregation rule {rule!r}; choose one of {sorted(RULES) + ['dwc']}")
+    return RULES[rule](stacked, weights)

@@ -50,3 +50,45 @@ def quadratic_penalty(theta, center, precision) -> jax.Array:
         precision = jax.tree.map(lambda _: precision, theta)
     terms = jax.tree.map(lambda t, c, p: jnp.sum(p * jnp.square(t - c)), theta, center, precision)
     return 0.5 * sum(jax.tree.leaves(terms))
+
+
+# --- scale parameterisation (NumPyro / TFP mean-field layers store rho, sigma = softplus(rho) + eps) ---
+
+FLOAT32_EPS = float(jnp.finfo(jnp.float32).eps)
+
+
+def rho_to_scale(rho, eps: float = FLOAT32_EPS):
+    """sigma = softplus(rho) + eps (TFP's Flipout convention, Fischer et al. 2.2)."""
+    return jax.nn.softplus(rho) + eps
+
+
+def softplus_inverse(x):
+    """log(expm1(x)) computed stably: x + log(-expm1(-x)) (exact for large x, no overflow)."""
+    x = jnp.asarray(x)
+    return x + jnp.log(-jnp.expm1(-x))
+
+
+def scale_to_rho(scale, eps: float = FLOAT32_EPS, scale_min: float = 1e-6):
+    """Inverse of ``rho_to_scale`` with sigma floored at ``scale_min`` (Fischer spec D2).
+
+    Returns ``(rho, floor_hits)``; ``floor_hits`` counts the coordinates that were floored.
+    """
+    floored = jnp.maximum(scale, scale_min)
+    hits = jnp.sum(scale < scale_min)
+    return softplus_inverse(jnp.maximum(floored - eps, scale_min * 1e-3)), hits
+
+
+def from_variance(mean, variance) -> DiagGaussian:
+    return DiagGaussian(mean, jax.tree.map(lambda v: 1.0 / v, variance))
+
+
+def kl_divergence(q: DiagGaussian, p: DiagGaussian) -> jax.Array:
+    """KL[q || p] summed over every coordinate of the pytrees (a scalar).
+
+    sum_i log(sigma_p / sigma_q) + (sigma_q^2 + (mu_q - mu_p)^2) / (2 sigma_p^2) - 1/2
+    """
+
+    def leaf(mq, lq, mp, lp):
+        return jnp.sum(0.5 * (jnp.log(lq) - jnp.log(lp)) + 0.5 * lp * (1.0 / lq + jnp.square(mq - mp)) - 0.5)
+
+    return sum(jax.tree.leaves(jax.tree.map(leaf, q.mean, q.precision, p.mean, p.precision)))

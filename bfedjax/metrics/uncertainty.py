@@ -1,0 +1,79 @@
+"""Uncertainty metrics of an MC-sampled predictive (Fischer et al. section 2.3).
+
+Inputs are class probabilities of M Monte Carlo weight samples,
+``probs [M, T, C]`` (T test points, C classes), or their mean ``p_bar [T, C]``
+(Eq. 7) and integer labels ``y [T]``. All functions are jit-friendly.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+_TINY = 1e-12
+
+
+def predictive(probs):
+    """Eq. 7: the MC-averaged predictive ``[T, C]``."""
+    return jnp.mean(probs, axis=0)
+
+
+def accuracy(p_bar, y):
+    return jnp.mean(jnp.argmax(p_bar, -1) == y)
+
+
+def nll(p_bar, y):
+    """Mean over test points of -log p_bar[y] (spec D9)."""
+    return -jnp.mean(jnp.log(jnp.take_along_axis(p_bar, y[:, None], -1)[:, 0] + _TINY))
+
+
+def brier(p_bar, y):
+    """Mean over test points of sum_c (p_bar_c - onehot_c)^2."""
+    onehot = jnp.eye(p_bar.shape[-1])[y]
+    return jnp.mean(jnp.sum(jnp.square(p_bar - onehot), -1))
+
+
+def expected_calibration_error(p_bar, y, num_bins: int = 15):
+    """ECE with ``num_bins`` equal-width confidence bins: sum_b |B|/T * |acc(B) - conf(B)|."""
+    conf = jnp.max(p_bar, -1)
+    correct = (jnp.argmax(p_bar, -1) == y).astype(jnp.float32)
+    bins = jnp.clip(jnp.ceil(conf * num_bins).astype(jnp.int32) - 1, 0, num_bins - 1)
+    count = jnp.zeros(num_bins).at[bins].add(1.0)
+    conf_sum = jnp.zeros(num_bins).at[bins].add(conf)
+    acc_sum = jnp.zeros(num_bins).at[bins].add(correct)
+    return jnp.sum(jnp.abs(acc_sum - conf_sum)) / y.shape[0]
+
+
+def normalised_entropy(p_bar):
+    """Eq. 8: -sum_c p_bar_c log p_bar_c / log C, in [0, 1]; ``[T]``."""
+    c = p_bar.shape[-1]
+    return -jnp.sum(p_bar * jnp.log(p_bar + _TINY), -1) / jnp.log(c)
+
+
+def aleatoric(probs):
+    """Trace of Eq. 9's aleatoric part: sum_c mean_m p_mc (1 - p_mc); ``[T]``."""
+    return jnp.sum(jnp.mean(probs * (1.0 - probs), axis=0), -1)
+
+
+def epistemic(probs):
+    """Trace of Eq. 9's epistemic part: sum_c Var_m p_mc; ``[T]``."""
+    return jnp.sum(jnp.var(probs, axis=0), -1)
+
+
+def accuracy_vs_retained(p_bar, y, uncertainty, fractions=(0.5, 0.6, 0.7, 0.8, 0.9, 1.0)):
+    """Accuracy on the ``f`` most certain fraction of the test set, for each ``f`` (Filos et al.).
+
+    Returns ``[len(fractions)]``; a well-calibrated model's curve falls as ``f`` grows.
+    """
+    order = jnp.argsort(uncertainty)
+    correct = (jnp.argmax(p_bar, -1) == y)[order].astype(jnp.float32)
+    cumulative = jnp.cumsum(correct)
+    t = y.shape[0]
+    keep = [max(1, int(round(f * t))) for f in fractions]
+    return jnp.stack([cumulative[k - 1] / k for k in keep])
+
+
+def summary(probs, y, num_bins: int = 15) -> dict:
+    """All scalar metrics of an MC predictive ``probs [M, T, C]``."""
+    p_bar = predictive(probs)
+    return {"accuracy": accuracy(p_bar, y), "nll": nll(p_bar, y), "ece": expected_calibration_error(p_bar, y, num_bins),
+            "brier": brier(p_bar, y), "entropy": jnp.mean(normalised_entropy(p_bar)),
+            "aleatoric": jnp.mean(aleatoric(probs)), "epistemic": jnp.mean(epistemic(probs))}
