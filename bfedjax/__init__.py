@@ -12,8 +12,8 @@ round step.
     result = bf.simulate(algo, fed, rounds=5, key=jax.random.PRNGKey(0))
     result.metrics["global_accuracy"]
 """
-from bfedjax import algorithms, core, data, laplace, metrics, models, posteriors
+from bfedjax import algorithms, core, data, laplace, metrics, models, posteriors, vi
 from bfedjax.core import Algorithm, simulate
 
 __version__ = "0.1.0"
-__all__ = ["Algorithm", "algorithms", "core", "data", "laplace", "metrics", "models", "posteriors", "simulate"]
+__all__ = ["Algorithm", "algorithms", "core", "data", "laplace", "metrics", "models", "posteriors", "simulate", "vi"]

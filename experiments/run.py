@@ -19,7 +19,7 @@ import sys
 
 from absl import app, flags, logging
 
-ALGORITHMS = ("fedavg", "fedprox", "fedcurv", "fola")
+ALGORITHMS = ("fedavg", "fedprox", "fedcurv", "fola", "bfl")
 DATASETS = ("digits", "mnist", "fashion_mnist", "mnist_5k", "emnist", "cifar10", "cifar100")
 PARTITIONS = ("iid", "dirichlet_per_class", "dirichlet_per_client", "shards", "power_law", "class_groups")
 MODELS = ("logistic", "mlp", "mlp_500_300", "mlp_200_200", "fola_cnn", "lenet")
@@ -64,6 +64,14 @@ flags.DEFINE_float("damping", None, "FOLA Fisher damping delta.")
 flags.DEFINE_float("eps", None, "FOLA product denominator guard.")
 flags.DEFINE_float("gamma", None, "FOLA extra prior precision.")
 flags.DEFINE_bool("prior_grad", None, "FOLA: False detaches the prior as in the released code.")
+flags.DEFINE_enum("rule", "wc", ("nwa", "ws", "lp", "conflation", "iv", "wc", "llp", "clp", "dwc"),
+                  "bfl: aggregation rule (Fischer et al.).")
+flags.DEFINE_enum("weighting", "train_size", ("equal", "train_size", "max_discrepancy", "distance"),
+                  "bfl: client weighting.")
+flags.DEFINE_bool("prior_update", False, "bfl: clients use the global posterior as their ELBO prior.")
+flags.DEFINE_float("prior_scale", 10.0, "bfl: std of the N(0, s^2) weight prior.")
+flags.DEFINE_bool("variational_biases", False, "bfl: biases variational too (default: point estimates).")
+flags.DEFINE_integer("train_samples", 1, "bfl: MC samples of the ELBO per step.")
 flags.DEFINE_enum("fedcurv_variant", "authors", ("authors", "leave_one_out"), "FedCurv form.")
 # Output.
 flags.DEFINE_string("output_dir", "/tmp/bfedjax_run", "Where metrics.jsonl, summary.json and checkpoints go.")
@@ -140,7 +148,7 @@ def make_partition(labels):
     return bf.data.partition(labels, scheme, FLAGS.num_clients, seed=FLAGS.seed, **kwargs)
 
 
-def make_algorithm(num_classes: int):
+def make_algorithm(num_classes: int, input_shape: tuple[int, ...]):
     import bfedjax as bf
     model = bf.models.get_model(FLAGS.model, num_classes, hidden=tuple(int(h) for h in FLAGS.hidden))
     common = dict(lr=FLAGS.lr, local_epochs=FLAGS.local_epochs, batch_size=FLAGS.batch_size)
@@ -153,6 +161,11 @@ def make_algorithm(num_classes: int):
         return bf.algorithms.fedavg(model, **common)
     if FLAGS.algorithm == "fedprox":
         return bf.algorithms.fedprox(model, **({"mu": FLAGS.lam} if FLAGS.lam is not None else {}), **common)
+    if FLAGS.algorithm == "bfl":
+        return bf.algorithms.bfl(model, input_shape, rule=FLAGS.rule, weighting_scheme=FLAGS.weighting,
+                                 prior_update=FLAGS.prior_update, lr=FLAGS.lr, local_epochs=FLAGS.local_epochs,
+                                 batch_size=FLAGS.batch_size, prior_scale=FLAGS.prior_scale,
+                                 variational_biases=FLAGS.variational_biases, train_samples=FLAGS.train_samples)
     if FLAGS.algorithm == "fedcurv":
         return bf.algorithms.fedcurv(model, variant=FLAGS.fedcurv_variant, **lam, **common)
     options = {name: getattr(FLAGS, name) for name in
@@ -172,7 +185,7 @@ def main(argv):
     dataset = load_dataset()
     parts = make_partition(dataset.y_train)
     fed = bf.data.from_partition(dataset, parts)
-    algorithm = make_algorithm(dataset.num_classes)
+    algorithm = make_algorithm(dataset.num_classes, tuple(dataset.x_train.shape[1:]))
     weights = [float(w) for w in FLAGS.client_weights] if FLAGS.client_weights else None
 
     os.makedirs(FLAGS.output_dir, exist_ok=True)

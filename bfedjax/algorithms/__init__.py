@@ -1,4 +1,5 @@
 """Federated algorithms, each a bundle of pure functions (``core.types.Algorithm``)."""
+from bfedjax.algorithms.bfl import bfl
 from bfedjax.algorithms.fedavg import fedavg
 from bfedjax.algorithms.fedcurv import fedcurv
 from bfedjax.algorithms.fedprox import fedprox
@@ -6,4 +7,4 @@ from bfedjax.algorithms.fola import FolaConfig, fola
 
 ALGORITHMS = {"fedavg": fedavg, "fedprox": fedprox, "fedcurv": fedcurv, "fola": fola}
 
-__all__ = ["ALGORITHMS", "FolaConfig", "fedavg", "fedcurv", "fedprox", "fola"]
+__all__ = ["ALGORITHMS", "FolaConfig", "bfl", "fedavg", "fedcurv", "fedprox", "fola"]
