@@ -62,3 +62,17 @@ def test_bench_quick_smoke(tmp_path):
     assert {r["backend"] for r in report["rows"]} == {"vmap", "stepwise"}
     assert all(r["round_s"] > 0 and r["samples_per_s"] > 0 for r in report["rows"])
     assert "| mlp K=10 B=10 | fedavg | vmap |" in (tmp_path / "bench.md").read_text()
+
+
+def test_bfl_rules_script_smoke(tmp_path):
+    out_file = tmp_path / "rules.md"
+    out = subprocess.run([sys.executable, "-m", "experiments.bfl_rules", "--seeds=0,1", "--settings=1:2",
+                          "--partitions=shards", "--rules=wc,nwa", "--hidden=8", f"--results_file={out_file}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out_file.read_text()
+    for method in ("fedavg", "wc", "nwa"):
+        assert f"| {method} | " in text
+    assert "Paper's grouping here" in text
+    rows = json.loads(out_file.with_suffix(".json").read_text())
+    assert set(rows) == {"1 2 shards fedavg", "1 2 shards wc", "1 2 shards nwa"}
