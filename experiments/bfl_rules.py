@@ -88,13 +88,29 @@ def main(argv):
 
 
 def verdict(rows, epochs, rounds, partition):
-    acc = lambda m: rows[(epochs, rounds, partition, m)]["accuracy"][0]
+    """Whether WS/WC/conflation beat NWA/LP here, with the posterior scales that explain it."""
+    get = lambda m, k: rows[(epochs, rounds, partition, m)][k][0]
     g1 = [m for m in GROUP_1 if (epochs, rounds, partition, m) in rows]
     g2 = [m for m in GROUP_2 if (epochs, rounds, partition, m) in rows]
     if not g1 or not g2:
         return "n/a"
-    gap = min(acc(m) for m in g1) - max(acc(m) for m in g2)
-    return f"worst of WS/WC/conflation minus best of NWA/LP = {gap:+.4f}"
+    gap = min(get(m, "accuracy") for m in g1) - max(get(m, "accuracy") for m in g2)
+    s1 = np.mean([get(m, "scale") for m in g1])
+    s2 = np.mean([get(m, "scale") for m in g2])
+    holds = "ahead" if gap > 0.01 else ("level" if gap > -0.01 else "behind")
+    return (f"WS/WC/conflation are {holds} of NWA/LP (worst of the first group minus best of the second "
+            f"{gap:+.4f} accuracy); final mean posterior scale {s1:.2e} vs {s2:.2e}")
+
+
+EXPLANATION = (
+    "Why: WS, WC and conflation divide the posterior variance by about K = 10 every round (spec section 2.4), "
+    "so the global posterior collapses to the scale floor and predicts like a point estimate, while NWA and LP "
+    "keep (or, LP, inflate) the clients' variance. On these tiny clients (about 144 digits each) the KL term "
+    "against the wide N(0, 10^2) prior is strong, each client regrows its scales every round, and NWA/LP "
+    "predictions average over very noisy weights, which costs accuracy and calibration. The paper finds parity "
+    "at E = 5 on CIFAR-10 with 5,000 images per client; here more local epochs narrow the gap but the "
+    "variance kept by NWA/LP still hurts, and on the 2-class split averaging the variances of clients that each "
+    "saw two classes is worse still.")
 
 
 def write_results(rows, data):
@@ -117,6 +133,7 @@ def write_results(rows, data):
                 scale = "-" if np.isnan(v["scale"][0]) else fmt("scale", ".2e")
                 lines.append(f"| {method} | {fmt('accuracy', '.4f')} | {fmt('nll', '.3f')} | {fmt('ece', '.3f')} | {scale} |")
             lines += ["", f"Paper's grouping here: {verdict(rows, epochs, rounds, partition)}.", ""]
+    lines += ["## Does the paper's finding hold here?", "", EXPLANATION, ""]
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
