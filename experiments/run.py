@@ -12,11 +12,13 @@ where it stopped (``--noresume`` starts over).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 import sys
 
+import numpy as np
 from absl import app, flags, logging
 
 ALGORITHMS = ("fedavg", "fedprox", "fedcurv", "fola", "bfl")
@@ -72,6 +74,9 @@ flags.DEFINE_bool("prior_update", False, "bfl: clients use the global posterior 
 flags.DEFINE_float("prior_scale", 10.0, "bfl: std of the N(0, s^2) weight prior.")
 flags.DEFINE_bool("variational_biases", False, "bfl: biases variational too (default: point estimates).")
 flags.DEFINE_integer("train_samples", 1, "bfl: MC samples of the ELBO per step.")
+flags.DEFINE_float("pretrain_fraction", 0.0, "Hold out this stratified fraction of the training set on the "
+                   "server and pre-train the global model on it before round 1 (Fischer et al.'s DWC protocol).")
+flags.DEFINE_integer("pretrain_epochs", 5, "Epochs of server pre-training.")
 flags.DEFINE_enum("fedcurv_variant", "authors", ("authors", "leave_one_out"), "FedCurv form.")
 # Output.
 flags.DEFINE_string("output_dir", "/tmp/bfedjax_run", "Where metrics.jsonl, summary.json and checkpoints go.")
@@ -88,6 +93,8 @@ flags.register_validator("clients_per_round", lambda v: v is None or v >= 1, mes
 flags.register_validator("participation", lambda v: v is None or 0 < v <= 1,
                          message="--participation must be in (0, 1], e.g. --participation=0.1")
 flags.register_validator("clients_per_chunk", lambda v: v is None or v >= 1, message="--clients_per_chunk must be >= 1")
+flags.register_validator("pretrain_fraction", lambda v: 0 <= v < 1,
+                         message="--pretrain_fraction must be in [0, 1), e.g. --pretrain_fraction=0.1")
 flags.register_validator("momentum", lambda v: 0 <= v < 1, message="--momentum must be in [0, 1)")
 flags.register_multi_flags_validator(
     ["clients_per_round", "num_clients"],
@@ -130,6 +137,14 @@ def load_dataset():
         print(f"NOTICE: {FLAGS.dataset} is not available here ({str(err).splitlines()[0][:200]}); "
               "falling back to scikit-learn's digits.", flush=True)
         return bf.data.load("digits", seed=FLAGS.seed)
+
+
+def split_server_data(dataset, fraction: float, seed: int):
+    """A stratified ``fraction`` of the training indices, held out for the server."""
+    rng = np.random.default_rng(seed + 7)
+    held = [rng.permutation(np.flatnonzero(dataset.y_train == c))[: int(round(fraction * np.sum(dataset.y_train == c)))]
+            for c in range(dataset.num_classes)]
+    return dataset, np.sort(np.concatenate(held))
 
 
 def make_partition(labels):
@@ -179,13 +194,22 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments {argv[1:]}; flags take the form --name=value")
     logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
     import jax
-    import numpy as np
     import bfedjax as bf
 
     dataset = load_dataset()
+    algorithm = make_algorithm(dataset.num_classes, tuple(dataset.x_train.shape[1:]))
+    init_server = None
+    if FLAGS.pretrain_fraction > 0:
+        dataset, held_out = split_server_data(dataset, FLAGS.pretrain_fraction, FLAGS.seed)
+        init_server = bf.core.pretrain(algorithm, dataset.x_train[held_out], dataset.y_train[held_out],
+                                       epochs=FLAGS.pretrain_epochs, key=jax.random.PRNGKey(FLAGS.seed + 10_000),
+                                       num_classes=dataset.num_classes)
+        keep = np.setdiff1d(np.arange(len(dataset.y_train)), held_out)
+        dataset = dataclasses.replace(dataset, x_train=dataset.x_train[keep], y_train=dataset.y_train[keep])
+        print(f"pre-trained the server model on {len(held_out)} held-out samples for {FLAGS.pretrain_epochs} epochs",
+              flush=True)
     parts = make_partition(dataset.y_train)
     fed = bf.data.from_partition(dataset, parts)
-    algorithm = make_algorithm(dataset.num_classes, tuple(dataset.x_train.shape[1:]))
     weights = [float(w) for w in FLAGS.client_weights] if FLAGS.client_weights else None
 
     os.makedirs(FLAGS.output_dir, exist_ok=True)
@@ -211,7 +235,7 @@ def main(argv):
             clients_per_round=FLAGS.clients_per_round, participation=FLAGS.participation,
             clients_per_chunk=FLAGS.clients_per_chunk,
             backend=FLAGS.backend, client_weights=weights, evaluate_local=FLAGS.evaluate_local,
-            checkpoint_dir=checkpoints, on_round=on_round)
+            checkpoint_dir=checkpoints, on_round=on_round, init_server=init_server)
     with open(metrics_path, "w") as sink:  # complete history, restored rounds included
         for r in range(len(result.metrics["round"])):
             sink.write(json.dumps({k: v[r] for k, v in result.metrics.items()}) + "\n")

@@ -118,3 +118,15 @@ def test_bad_config_errors_are_clear():
         RoundConfig(num_clients=3, clients_per_round=4)
     with pytest.raises(ValueError, match="backend"):
         make_round_step(None, RoundConfig(3, 3), "threads")
+
+
+def test_pretrain_gives_a_trained_initial_server(digits, tiny_model, tiny_params):
+    algo = bf.algorithms.fedavg(tiny_model, lr=0.1, batch_size=16)
+    server = bf.core.pretrain(algo, digits.x_train[:300], digits.y_train[:300], epochs=5, key=jax.random.PRNGKey(0),
+                              num_classes=10, init_params=tiny_params)
+    acc = lambda p: float(jnp.mean(jnp.argmax(tiny_model.apply({"params": p}, digits.x_test), -1) == digits.y_test))
+    assert acc(server["params"]) > max(0.5, acc(tiny_params) + 0.2)
+    fed_one = bf.data.stack_clients(digits.x_train[:100], digits.y_train[:100], [np.arange(100)],
+                                    x_test=digits.x_test, y_test=digits.y_test, num_classes=10)
+    res = bf.simulate(algo, fed_one, rounds=1, key=jax.random.PRNGKey(0), init_server=server, evaluate_local=False)
+    assert res.metrics["global_accuracy"][0] > 0.5

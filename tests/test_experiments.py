@@ -30,6 +30,12 @@ def test_run_writes_metrics_and_resumes(tmp_path):
     assert summary["best_global_accuracy"] == max(r["global_accuracy"] for r in again)
 
 
+def test_server_pretraining_flag(tmp_path):
+    out = _run(*SMALL, "--algorithm=fedavg", "--rounds=1", "--pretrain_fraction=0.2", "--pretrain_epochs=2",
+               f"--output_dir={tmp_path}")
+    assert "pre-trained the server model on 80 held-out samples for 2 epochs" in out.stdout
+
+
 @pytest.mark.parametrize("bad,needle", [("--alpha=0", "--alpha must be > 0"),
                                         ("--clients_per_round=9", "--clients_per_round must be <="),
                                         ("--algorithm=fedsgd", "--algorithm"),

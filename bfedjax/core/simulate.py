@@ -64,7 +64,8 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
              participation: float | None = None,
              clients_per_chunk: int | None = None, backend: str = "vmap", client_weights=None,
              hparams_fn: Callable[[int], dict] | None = None, evaluate_local: bool = True,
-             init_params=None, checkpoint_dir: str | None = None, diagnostics: bool = True, mesh=None,
+             init_params=None, init_server=None, checkpoint_dir: str | None = None, diagnostics: bool = True,
+             mesh=None,
              on_round: Callable[[dict], None] | None = None) -> SimulationResult:
     """Runs ``rounds`` federated rounds.
 
@@ -79,6 +80,7 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
       client_weights: ``[N]`` overrides pi_n = m_n/m (renormalised over each cohort).
       hparams_fn: ``round -> {"lr": ..., "lam": ...}`` overrides per round (traced).
       init_params: initial model parameters (default: the model's init).
+      init_server: a whole initial server state (e.g. from ``pretrain``), overriding ``init_params``.
       checkpoint_dir: save after every round and resume from the latest save.
       mesh: a ``jax.sharding.Mesh`` with axis ``'clients'`` (``core.sharding.client_mesh()``):
         clients are sharded over its devices, the server state is replicated.
@@ -101,6 +103,8 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
         dummy = jnp.zeros((1,) + fed.input_shape, jnp.float32)
         init_params = algorithm.model.init(jax.random.fold_in(key, 0), dummy)["params"]
     state = init_state(algorithm, init_params, num_clients)
+    if init_server is not None:
+        state = state._replace(server=init_server)
     if mesh is not None:
         state = sharding.shard_state(state, mesh)
     round_step = make_round_step(algorithm, config, backend)
@@ -138,3 +142,20 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
     metrics = {k: [h[k] for h in history] for k in history[0]}
     metrics["best_global_accuracy"] = list(best_so_far(metrics["global_accuracy"]))
     return SimulationResult(algorithm.name, metrics, state)
+
+
+def pretrain(algorithm: Algorithm, x, y, *, epochs: int, key: jax.Array, num_classes: int, init_params=None):
+    """Server-side pre-training: the algorithm's own local training on server data, as one client.
+
+    Runs one round with a single client holding ``x [n, ...]``, ``y [n]`` for
+    ``epochs`` local epochs and returns the resulting server state, to pass as
+    ``simulate(..., init_server=...)`` (Fischer et al.'s DWC protocol starts
+    from such a pre-trained model).
+    """
+    from bfedjax.data.federated import stack_clients
+    server_data = stack_clients(np.asarray(x), np.asarray(y), [np.arange(len(y))], x_test=np.asarray(x[:1]),
+                                y_test=np.asarray(y[:1]), num_classes=num_classes)
+    one_client = algorithm._replace(local_epochs=epochs)
+    result = simulate(one_client, server_data, rounds=1, key=key, init_params=init_params, evaluate_local=False,
+                      diagnostics=False)
+    return result.state.server
