@@ -120,7 +120,6 @@ def training_flops_per_sample(model, input_shape) -> float:
 
 def time_library(algorithm, fed, config: Config, backend: str, rounds: int) -> dict:
     import jax
-    import bfedjax as bf
     from bfedjax.core import RoundConfig, init_state, make_round_step
     from bfedjax.core.simulate import round_arrays, traced_hparams
     round_config = RoundConfig(fed.num_clients, fed.num_clients, clients_per_chunk=config.clients_per_chunk,

@@ -32,6 +32,13 @@ def _split(tree, variational):
     return var, det
 
 
+def _variational_posterior(loc_tree, scale_tree, variational) -> DiagGaussian:
+    """The variational leaves of ``{"params", "scale"}`` trees as a flat-keyed ``DiagGaussian``."""
+    loc, _ = _split(loc_tree, variational)
+    scale, _ = _split(scale_tree, variational)
+    return DiagGaussian(loc, {p: 1.0 / jnp.square(s) for p, s in scale.items()})
+
+
 def bfl(model, input_shape, *, rule: str = "wc", weighting_scheme: str = "train_size", prior_update: bool = False,
         lr: float = 1e-3, local_epochs: int = 1, batch_size: int = 32, **vi_options) -> Algorithm:
     """Builds the algorithm. ``vi_options`` are ``MeanFieldConfig`` fields (prior_scale, init_scale, ...).
@@ -81,27 +88,20 @@ def bfl(model, input_shape, *, rule: str = "wc", weighting_scheme: str = "train_
             return weighting.equal(mask.shape[0], mask)
         if weighting_scheme == "train_size":
             return weights
-        var_loc, _ = _split(messages["params"], vi.variational)
-        var_scale, _ = _split(messages["scale"], vi.variational)
-        stacked = DiagGaussian(var_loc, {p: 1.0 / jnp.square(s) for p, s in var_scale.items()})
+        stacked = _variational_posterior(messages["params"], messages["scale"], vi.variational)
         if weighting_scheme == "max_discrepancy":
             return weighting.max_discrepancy(stacked, mask)
-        g_loc, _ = _split(server["params"], vi.variational)
-        g_scale, _ = _split(server["scale"], vi.variational)
-        return weighting.distance(stacked, DiagGaussian(g_loc, {p: 1.0 / jnp.square(s) for p, s in g_scale.items()}),
+        return weighting.distance(stacked, _variational_posterior(server["params"], server["scale"], vi.variational),
                                   mask)
 
     def server_update(server, messages, weights, hparams):
         del hparams
         w = client_weights(messages, weights, server)
-        var_loc, det = _split(messages["params"], vi.variational)
-        var_scale, _ = _split(messages["scale"], vi.variational)
-        stacked = DiagGaussian(var_loc, {p: 1.0 / jnp.square(s) for p, s in var_scale.items()})
+        _, det = _split(messages["params"], vi.variational)
+        stacked = _variational_posterior(messages["params"], messages["scale"], vi.variational)
         hits = jnp.zeros((), jnp.int32)
         if rule == "dwc":
-            g_loc, _ = _split(server["params"], vi.variational)
-            g_scale, _ = _split(server["scale"], vi.variational)
-            prior = DiagGaussian(g_loc, {p: 1.0 / jnp.square(s) for p, s in g_scale.items()})
+            prior = _variational_posterior(server["params"], server["scale"], vi.variational)
             fused, hits = aggregation.distributed_weight_consolidation(stacked, w, prior)
         else:
             fused = aggregation.aggregate(rule, stacked, w)

@@ -23,6 +23,7 @@ from bfedjax.core.engine import apply_fn_of
 from bfedjax.core.tree import tree_zeros_like
 from bfedjax.core.types import Batch, ClientContext
 from bfedjax.laplace.fisher import ESTIMATORS, grad_and_fisher
+from bfedjax.posteriors.gaussian import broadcast_precision
 
 # prior_fn(ctx) -> (center pytree, precision pytree or scalar) or None.
 PriorFn = Callable[[ClientContext], Any]
@@ -82,7 +83,7 @@ def make_sgd_client(model, *, prior_fn: PriorFn | None = None, fisher: str | Non
             center, precision = prior_fn(ctx)
             lam = ctx.hparams["lam"]
             grad = jax.tree.map(lambda g, t, c, p: g + lam * p * (t - c), grad, local.params, center,
-                                _broadcast(precision, local.params))
+                                broadcast_precision(precision, local.params))
         lr = ctx.hparams["lr"]
         if momentum:
             updates, opt_state = tx.update(grad, local.opt_state, local.params)
@@ -103,10 +104,3 @@ def clip_scale(grad, clip_norm: float | None) -> jax.Array:
         return jnp.ones((), jnp.float32)
     norm = optax.tree.norm(grad)
     return jnp.where(norm < clip_norm, 1.0, clip_norm / norm)
-
-
-def _broadcast(precision, like):
-    """A scalar precision becomes a tree like ``like``; a tree passes through."""
-    if jax.tree.structure(precision) == jax.tree.structure(like):
-        return precision
-    return jax.tree.map(lambda _: precision, like)

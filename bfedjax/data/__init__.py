@@ -13,3 +13,7 @@ from bfedjax.data.partition import (
     shards,
 )
 from bfedjax.data.federated import FederatedData, from_partition, stack_clients
+
+__all__ = ["Dataset", "DataUnavailableError", "available", "load", "PARTITIONERS", "class_groups", "describe",
+           "dirichlet_per_class", "dirichlet_per_client", "iid", "partition", "power_law", "shards",
+           "FederatedData", "from_partition", "stack_clients"]

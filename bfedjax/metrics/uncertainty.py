@@ -36,7 +36,6 @@ def expected_calibration_error(p_bar, y, num_bins: int = 15):
     conf = jnp.max(p_bar, -1)
     correct = (jnp.argmax(p_bar, -1) == y).astype(jnp.float32)
     bins = jnp.clip(jnp.ceil(conf * num_bins).astype(jnp.int32) - 1, 0, num_bins - 1)
-    count = jnp.zeros(num_bins).at[bins].add(1.0)
     conf_sum = jnp.zeros(num_bins).at[bins].add(conf)
     acc_sum = jnp.zeros(num_bins).at[bins].add(correct)
     return jnp.sum(jnp.abs(acc_sum - conf_sum)) / y.shape[0]

@@ -41,13 +41,19 @@ def log_density(posterior: DiagGaussian, theta) -> jax.Array:
     return sum(jax.tree.leaves(jax.tree.map(leaf, posterior.mean, posterior.precision, theta)))
 
 
+def broadcast_precision(precision, like):
+    """A scalar precision becomes a pytree shaped like ``like``; a pytree passes through."""
+    if jax.tree.structure(precision) == jax.tree.structure(like):
+        return precision
+    return jax.tree.map(lambda _: precision, like)
+
+
 def quadratic_penalty(theta, center, precision) -> jax.Array:
     """0.5 * sum_i precision_i (theta_i - center_i)^2 over a pytree (the Eq. 15 prior loss).
 
     ``precision`` may be a pytree like ``theta`` or a scalar (FedProx: 1).
     """
-    if jax.tree.structure(precision) != jax.tree.structure(theta):
-        precision = jax.tree.map(lambda _: precision, theta)
+    precision = broadcast_precision(precision, theta)
     terms = jax.tree.map(lambda t, c, p: jnp.sum(p * jnp.square(t - c)), theta, center, precision)
     return 0.5 * sum(jax.tree.leaves(terms))
 

@@ -15,8 +15,6 @@ their value in ``params`` and scale 0.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpyro
