@@ -1,4 +1,4 @@
-r"""Fischer et al. on small data: every aggregation rule against the deterministic FedAvg baseline.
+r"""Fischer et al. on small data: every aggregation rule against the deterministic and MC-dropout FedAvg baselines.
 
     python -m experiments.bfl_rules                           # digits, writes results/bfl_rules_digits.md
     python -m experiments.bfl_rules --dataset=fashion_mnist --max_train=10000
@@ -32,9 +32,11 @@ flags.DEFINE_float("lr", 1e-2, "Adam learning rate of the variational clients (s
 flags.DEFINE_float("fedavg_lr", 0.05, "SGD learning rate of the deterministic baseline.")
 flags.DEFINE_integer("hidden", 64, "MLP width.")
 flags.DEFINE_integer("test_samples", 10, "MC samples of the predictive.")
+flags.DEFINE_float("dropout_rate", 0.2, "Dropout rate of the MC-dropout baseline (paper: 0.2).")
 flags.DEFINE_string("results_file", None, "Markdown output (default results/bfl_rules_<dataset>.md).")
 
 GROUP_1, GROUP_2 = ("ws", "wc", "conflation"), ("nwa", "lp")
+BASELINES = ("fedavg", "mc_dropout")  # deterministic and MC-dropout MLPs, FedAvg (= NWA, train size)
 
 
 def run_one(data, method, partition, epochs, rounds, seed):
@@ -45,8 +47,9 @@ def run_one(data, method, partition, epochs, rounds, seed):
     kwargs = {"classes_per_client": 2} if partition == "shards" else {}
     parts = bf.data.partition(data.y_train, partition, FLAGS.num_clients, seed=seed, **kwargs)
     fed = bf.data.from_partition(data, parts)
-    model = bf.models.get_model("mlp", data.num_classes, hidden=(FLAGS.hidden,))
-    if method == "fedavg":
+    dropout = FLAGS.dropout_rate if method == "mc_dropout" else 0.0
+    model = bf.models.get_model("mlp", data.num_classes, hidden=(FLAGS.hidden,), dropout_rate=dropout)
+    if method in BASELINES:
         algo = bf.algorithms.fedavg(model, lr=FLAGS.fedavg_lr, local_epochs=epochs, batch_size=FLAGS.batch_size)
     else:
         algo = bf.algorithms.bfl(model, fed.input_shape, rule=method, lr=FLAGS.lr, local_epochs=epochs,
@@ -54,7 +57,11 @@ def run_one(data, method, partition, epochs, rounds, seed):
     res = bf.simulate(algo, fed, rounds=rounds, key=jax.random.PRNGKey(seed), evaluate_local=False)
     x, y = jnp.asarray(fed.x_test), jnp.asarray(fed.y_test)
     if method == "fedavg":
-        probs = jax.nn.softmax(model.apply({"params": res.state.server["params"]}, x), -1)[None]
+        probs = jax.nn.softmax(bf.models.apply_fn_of(model)(res.state.server["params"], x), -1)[None]
+        scale = float("nan")
+    elif method == "mc_dropout":
+        probs = bf.models.mc_predict_proba(model, res.state.server["params"], x, jax.random.PRNGKey(1000 + seed),
+                                           FLAGS.test_samples)
         scale = float("nan")
     else:
         vi = bf.vi.MeanFieldVI(model, fed.input_shape)
@@ -69,7 +76,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     import bfedjax as bf
     data = bf.data.load(FLAGS.dataset, max_train=FLAGS.max_train)
-    methods = ["fedavg"] + list(FLAGS.rules)
+    methods = list(BASELINES) + list(FLAGS.rules)
     rows, start = {}, time.time()
     for setting in FLAGS.settings:
         epochs, rounds = (int(v) for v in setting.split(":"))
@@ -120,7 +127,8 @@ def write_results(rows, data):
              f"{FLAGS.num_clients} clients, MLP 1x{FLAGS.hidden}, B = {FLAGS.batch_size}, variational clients Adam "
              f"lr {FLAGS.lr}, FedAvg SGD lr {FLAGS.fedavg_lr}, train-size weights, prior N(0, 10^2), seeds {FLAGS.seeds}; "
              f"mean ± sample std over seeds of the final round; NLL and ECE (15 bins) of the {FLAGS.test_samples}-sample "
-             "MC predictive (FedAvg: its softmax).", ""]
+             "MC predictive (FedAvg: its softmax; mc_dropout: FedAvg of the same MLP with dropout "
+             f"{FLAGS.dropout_rate} after the hidden layer, kept on for {FLAGS.test_samples} test passes).", ""]
     for setting in FLAGS.settings:
         epochs, rounds = (int(v) for v in setting.split(":"))
         for partition in FLAGS.partitions:

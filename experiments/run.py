@@ -24,13 +24,15 @@ from absl import app, flags, logging
 ALGORITHMS = ("fedavg", "fedprox", "fedcurv", "fola", "bfl")
 DATASETS = ("digits", "mnist", "fashion_mnist", "mnist_5k", "emnist", "cifar10", "cifar100")
 PARTITIONS = ("iid", "dirichlet_per_class", "dirichlet_per_client", "shards", "power_law", "class_groups")
-MODELS = ("logistic", "mlp", "mlp_500_300", "mlp_200_200", "fola_cnn", "lenet")
+MODELS = ("logistic", "mlp", "mlp_500_300", "mlp_200_200", "fola_cnn", "lenet", "resnet20")
 
 FLAGS = flags.FLAGS
 # What to run.
 flags.DEFINE_enum("algorithm", "fola", ALGORITHMS, "Federated algorithm.")
 flags.DEFINE_enum("model", "mlp", MODELS, "Model architecture.")
 flags.DEFINE_list("hidden", ["200", "200"], "Hidden widths of --model=mlp.")
+flags.DEFINE_float("dropout_rate", 0.0, "MC dropout (MLPs, resnet20): dropout layers of this rate, on at test time "
+                   "(Fischer et al.'s baseline: --algorithm=fedavg --dropout_rate=0.2).")
 # Data.
 flags.DEFINE_enum("dataset", "digits", DATASETS, "Data set.")
 flags.DEFINE_string("data_dir", None, "Folder with IDX files (else $BFEDJAX_DATA_DIR, Debian's folder, TFDS).")
@@ -56,6 +58,13 @@ flags.DEFINE_float("lr", 0.01, "Local SGD learning rate.")
 flags.DEFINE_float("lam", None, "Prior weight lambda (FOLA, FedCurv) or mu (FedProx); default per algorithm.")
 flags.DEFINE_float("clip_norm", None, "Global-norm gradient clip; 0 disables; default per algorithm (10, FedProx none).")
 flags.DEFINE_float("momentum", 0.0, "Local SGD momentum.")
+flags.DEFINE_enum("optimizer", "sgd", ("sgd", "adam"), "fedavg: local optimiser (Fischer et al.: adam, lr 1e-3).")
+flags.DEFINE_enum("lr_schedule", "constant", ("constant", "exponential", "geometric", "literal"),
+                  "Per-round learning rate: constant, or after --lr_decay_start rounds decayed "
+                  "(exponential: lr*exp(-rate*(r-start)), Fischer et al. spec D8).")
+flags.DEFINE_integer("lr_decay_start", 50, "Rounds at the full learning rate before the decay.")
+flags.DEFINE_float("lr_decay_rate", 0.04, "Decay rate of --lr_schedule.")
+flags.DEFINE_integer("test_samples", 10, "MC samples of the final predictive (bfl, MC dropout) for summary.json.")
 flags.DEFINE_integer("seed", 0, "Seed of partition, init and training.")
 # FOLA options (spec section 3).
 flags.DEFINE_enum("fola_profile", "default", ("default", "authors_code", "paper"), "FOLA preset of the options below.")
@@ -74,9 +83,11 @@ flags.DEFINE_bool("prior_update", False, "bfl: clients use the global posterior 
 flags.DEFINE_float("prior_scale", 10.0, "bfl: std of the N(0, s^2) weight prior.")
 flags.DEFINE_bool("variational_biases", False, "bfl: biases variational too (default: point estimates).")
 flags.DEFINE_integer("train_samples", 1, "bfl: MC samples of the ELBO per step.")
-flags.DEFINE_float("pretrain_fraction", 0.0, "Hold out this stratified fraction of the training set on the "
-                   "server and pre-train the global model on it before round 1 (Fischer et al.'s DWC protocol).")
+flags.DEFINE_float("pretrain_fraction", 0.0, "Pre-train the global model before round 1 on this stratified "
+                   "fraction of the training set (Fischer et al.'s DWC protocol, 0.1).")
 flags.DEFINE_integer("pretrain_epochs", 5, "Epochs of server pre-training.")
+flags.DEFINE_bool("pretrain_disjoint", False, "Take the pre-training fraction away from the clients (default: it "
+                  "may overlap their data, spec D17).")
 flags.DEFINE_enum("fedcurv_variant", "authors", ("authors", "leave_one_out"), "FedCurv form.")
 # Output.
 flags.DEFINE_string("output_dir", "/tmp/bfedjax_run", "Where metrics.jsonl, summary.json and checkpoints go.")
@@ -96,6 +107,12 @@ flags.register_validator("clients_per_chunk", lambda v: v is None or v >= 1, mes
 flags.register_validator("pretrain_fraction", lambda v: 0 <= v < 1,
                          message="--pretrain_fraction must be in [0, 1), e.g. --pretrain_fraction=0.1")
 flags.register_validator("momentum", lambda v: 0 <= v < 1, message="--momentum must be in [0, 1)")
+flags.register_validator("dropout_rate", lambda v: 0 <= v < 1, message="--dropout_rate must be in [0, 1), e.g. 0.2")
+flags.register_validator("lr_decay_rate", lambda v: 0 < v < 1, message="--lr_decay_rate must be in (0, 1), e.g. 0.04")
+flags.register_validator("test_samples", lambda v: v >= 1, message="--test_samples must be >= 1")
+flags.register_multi_flags_validator(
+    ["optimizer", "algorithm"], lambda f: f["optimizer"] == "sgd" or f["algorithm"] == "fedavg",
+    message="--optimizer=adam is for --algorithm=fedavg (bfl clients always use Adam)")
 flags.register_multi_flags_validator(
     ["clients_per_round", "num_clients"],
     lambda f: f["clients_per_round"] is None or f["clients_per_round"] <= f["num_clients"],
@@ -165,7 +182,11 @@ def make_partition(labels):
 
 def make_algorithm(num_classes: int, input_shape: tuple[int, ...]):
     import bfedjax as bf
-    model = bf.models.get_model(FLAGS.model, num_classes, hidden=tuple(int(h) for h in FLAGS.hidden))
+    try:
+        model = bf.models.get_model(FLAGS.model, num_classes, hidden=tuple(int(h) for h in FLAGS.hidden),
+                                    dropout_rate=FLAGS.dropout_rate)
+    except ValueError as err:
+        raise app.UsageError(f"{err} (--model / --dropout_rate)") from None
     common = dict(lr=FLAGS.lr, local_epochs=FLAGS.local_epochs, batch_size=FLAGS.batch_size)
     if FLAGS.clip_norm is not None:
         common["clip_norm"] = FLAGS.clip_norm or None
@@ -173,7 +194,7 @@ def make_algorithm(num_classes: int, input_shape: tuple[int, ...]):
         common["momentum"] = FLAGS.momentum
     lam = {} if FLAGS.lam is None else {"lam": FLAGS.lam}
     if FLAGS.algorithm == "fedavg":
-        return bf.algorithms.fedavg(model, **common)
+        return bf.algorithms.fedavg(model, optimizer=FLAGS.optimizer, **common)
     if FLAGS.algorithm == "fedprox":
         return bf.algorithms.fedprox(model, **({"mu": FLAGS.lam} if FLAGS.lam is not None else {}), **common)
     if FLAGS.algorithm == "bfl":
@@ -187,6 +208,52 @@ def make_algorithm(num_classes: int, input_shape: tuple[int, ...]):
                ("fisher", "normalisation", "precision_mode", "damping", "eps", "gamma", "prior_grad")
                if getattr(FLAGS, name) is not None}
     return bf.algorithms.fola(model, profile=FLAGS.fola_profile, **lam, **common, **options)
+
+
+def learning_rate_fn():
+    """``round -> {"lr": ...}`` for a decaying --lr_schedule, else None."""
+    import bfedjax as bf
+    if FLAGS.lr_schedule == "constant":
+        return None
+    schedule = bf.core.lr_schedule(FLAGS.lr_schedule, FLAGS.lr, start=FLAGS.lr_decay_start, rate=FLAGS.lr_decay_rate)
+    return lambda r: {"lr": schedule(r)}
+
+
+def final_uncertainty(algorithm, server, fed, num_classes: int) -> dict:
+    """Accuracy, NLL, ECE, Brier and mean entropy of the final global predictive on the test set.
+
+    bfl: the ``--test_samples``-sample MC predictive of the posterior; MC dropout:
+    as many dropout passes; otherwise the softmax of the global model.
+    """
+    import jax
+    import jax.numpy as jnp
+    import bfedjax as bf
+    x, y = jnp.asarray(fed.x_test), jnp.asarray(fed.y_test)
+    key = jax.random.PRNGKey(FLAGS.seed + 20_000)
+    model = algorithm.model
+    if FLAGS.algorithm == "bfl":
+        vi = bf.vi.MeanFieldVI(model, fed.input_shape)
+        probs = jax.lax.map(lambda xb: vi.predict_proba(server, xb, key, FLAGS.test_samples),
+                            _test_batches(x))
+    elif bf.models.apply.has_dropout(model):
+        probs = jax.lax.map(lambda xb: bf.models.mc_predict_proba(model, server["params"], xb, key,
+                                                                  FLAGS.test_samples), _test_batches(x))
+    else:
+        probs = jax.lax.map(lambda xb: jax.nn.softmax(bf.models.apply_fn_of(model)(server["params"], xb), -1)[None],
+                            _test_batches(x))
+    # [nb, M, b, C] -> [M, T, C]
+    probs = jnp.moveaxis(probs, 1, 0).reshape(probs.shape[1], -1, num_classes)[:, : y.shape[0]]
+    out = bf.metrics.uncertainty.summary(probs, y)
+    return {k: float(v) for k, v in out.items() if jnp.ndim(v) == 0}
+
+
+def _test_batches(x, size: int = 500):
+    """``x [T, ...]`` zero-padded and reshaped to ``[ceil(T/size), size, ...]``."""
+    import jax.numpy as jnp
+    nb = -(-x.shape[0] // size)
+    pad = nb * size - x.shape[0]
+    x = jnp.concatenate([x, jnp.zeros((pad,) + x.shape[1:], x.dtype)]) if pad else x
+    return x.reshape((nb, size) + x.shape[1:])
 
 
 def main(argv):
@@ -204,10 +271,11 @@ def main(argv):
         init_server = bf.core.pretrain(algorithm, dataset.x_train[held_out], dataset.y_train[held_out],
                                        epochs=FLAGS.pretrain_epochs, key=jax.random.PRNGKey(FLAGS.seed + 10_000),
                                        num_classes=dataset.num_classes)
-        keep = np.setdiff1d(np.arange(len(dataset.y_train)), held_out)
-        dataset = dataclasses.replace(dataset, x_train=dataset.x_train[keep], y_train=dataset.y_train[keep])
-        print(f"pre-trained the server model on {len(held_out)} held-out samples for {FLAGS.pretrain_epochs} epochs",
-              flush=True)
+        if FLAGS.pretrain_disjoint:
+            keep = np.setdiff1d(np.arange(len(dataset.y_train)), held_out)
+            dataset = dataclasses.replace(dataset, x_train=dataset.x_train[keep], y_train=dataset.y_train[keep])
+        print(f"pre-trained the server model on {len(held_out)} training samples for {FLAGS.pretrain_epochs} epochs"
+              f"{' (removed from the clients)' if FLAGS.pretrain_disjoint else ''}", flush=True)
     parts = make_partition(dataset.y_train)
     fed = bf.data.from_partition(dataset, parts)
     weights = [float(w) for w in FLAGS.client_weights] if FLAGS.client_weights else None
@@ -235,7 +303,8 @@ def main(argv):
             clients_per_round=FLAGS.clients_per_round, participation=FLAGS.participation,
             clients_per_chunk=FLAGS.clients_per_chunk,
             backend=FLAGS.backend, client_weights=weights, evaluate_local=FLAGS.evaluate_local,
-            checkpoint_dir=checkpoints, on_round=on_round, init_server=init_server)
+            checkpoint_dir=checkpoints, on_round=on_round, init_server=init_server,
+            hparams_fn=learning_rate_fn())
     with open(metrics_path, "w") as sink:  # complete history, restored rounds included
         for r in range(len(result.metrics["round"])):
             sink.write(json.dumps({k: v[r] for k, v in result.metrics.items()}) + "\n")
@@ -249,6 +318,9 @@ def main(argv):
     }
     if "local_accuracy" in result.metrics:
         summary["best_local_accuracy"] = max(result.metrics["local_accuracy"])
+    summary["uncertainty"] = final_uncertainty(algorithm, result.state.server, fed, dataset.num_classes)
+    print("final predictive: " + ", ".join(f"{k} {v:.4f}" for k, v in summary["uncertainty"].items()
+                                           if isinstance(v, float)), flush=True)
     with open(os.path.join(FLAGS.output_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print(f"done: round-1 GA {ga[0]:.4f}, best GA {max(ga):.4f}, final GA {ga[-1]:.4f} -> {FLAGS.output_dir}")

@@ -32,17 +32,32 @@ def test_run_writes_metrics_and_resumes(tmp_path):
 
 def test_server_pretraining_flag(tmp_path):
     out = _run(*SMALL, "--algorithm=fedavg", "--rounds=1", "--pretrain_fraction=0.2", "--pretrain_epochs=2",
-               f"--output_dir={tmp_path}")
-    assert "pre-trained the server model on 80 held-out samples for 2 epochs" in out.stdout
+               "--pretrain_disjoint", f"--output_dir={tmp_path}")
+    assert "pre-trained the server model on 80 training samples for 2 epochs (removed from the clients)" in out.stdout
+
+
+def test_mc_dropout_schedule_and_final_uncertainty(tmp_path):
+    out = _run(*SMALL, "--algorithm=fedavg", "--dropout_rate=0.2", "--optimizer=adam", "--lr=0.01",
+               "--lr_schedule=exponential", "--lr_decay_start=1", "--rounds=2", "--test_samples=4",
+               "--noevaluate_local", f"--output_dir={tmp_path}")
+    assert "final predictive: accuracy" in out.stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    unc = summary["uncertainty"]
+    assert {"accuracy", "nll", "ece", "brier", "entropy", "epistemic"} <= set(unc)
+    assert 0 <= unc["ece"] <= 1 and unc["nll"] > 0
+    assert unc["epistemic"] > 0  # dropout stays on at test time: the passes disagree
+    assert summary["flags"]["lr_schedule"] == "exponential"
 
 
 @pytest.mark.parametrize("bad,needle", [("--alpha=0", "--alpha must be > 0"),
                                         ("--clients_per_round=9", "--clients_per_round must be <="),
                                         ("--algorithm=fedsgd", "--algorithm"),
                                         ("--participation=2", "--participation must be in"),
-                                        ("--client_weights=0.5", "--client_weights needs exactly")])
+                                        ("--client_weights=0.5", "--client_weights needs exactly"),
+                                        ("--model=lenet --dropout_rate=0.2", "has no dropout layers"),
+                                        ("--optimizer=adam --algorithm=fola", "--optimizer=adam is for")])
 def test_bad_flags_fail_with_one_clear_line(bad, needle, tmp_path):
-    out = _run(*SMALL, bad, f"--output_dir={tmp_path}", check=False)
+    out = _run(*SMALL, *bad.split(), f"--output_dir={tmp_path}", check=False)
     assert out.returncode != 0
     assert needle in out.stderr
 
@@ -77,8 +92,8 @@ def test_bfl_rules_script_smoke(tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     text = out_file.read_text()
-    for method in ("fedavg", "wc", "nwa"):
+    for method in ("fedavg", "mc_dropout", "wc", "nwa"):
         assert f"| {method} | " in text
     assert "Paper's grouping here" in text
     rows = json.loads(out_file.with_suffix(".json").read_text())
-    assert set(rows) == {"1 2 shards fedavg", "1 2 shards wc", "1 2 shards nwa"}
+    assert set(rows) == {f"1 2 shards {m}" for m in ("fedavg", "mc_dropout", "wc", "nwa")}

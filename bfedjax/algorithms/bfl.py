@@ -60,17 +60,15 @@ def bfl(model, input_shape, *, rule: str = "wc", weighting_scheme: str = "train_
         return server["params"], jax.tree.map(lambda s: jnp.maximum(s, SCALE_MIN), _scale_or_one(server["scale"]))
 
     def server_init(params):
-        flat = traverse_util.flatten_dict(params)
-        scale = {p: (jnp.full_like(v, vi.config.init_scale) if ".".join(p) in vi.variational else jnp.zeros_like(v))
-                 for p, v in flat.items()}
-        return {"params": params, "scale": traverse_util.unflatten_dict(scale),
+        return {**vi.posterior_from_params(params),
                 "guard_hits": jnp.zeros((), jnp.int32), "scale_floor_hits": jnp.zeros((), jnp.int32)}
 
     def client_init(ctx, key):
         d = ctx.data
         rows = min(batch_size, d.y.shape[0])
-        return vi.svi.init(key, d.x[:rows], d.y[:rows], jnp.zeros(rows), d.count.astype(jnp.float32),
-                           *prior_args(ctx.server), init_params=vi.svi_params(ctx.server))
+        state = vi.init_svi_state(key, d.x[:rows], d.y[:rows], d.count.astype(jnp.float32), ctx.server,
+                                  *prior_args(ctx.server))
+        return vi.with_learning_rate(state, ctx.hparams["lr"])  # traced: a schedule never recompiles
 
     def client_step(state, batch, ctx, key):
         del key  # SVI carries its own per-client key
@@ -80,7 +78,7 @@ def bfl(model, input_shape, *, rule: str = "wc", weighting_scheme: str = "train_
 
     def client_final(state, ctx):
         del ctx
-        return vi.posterior(vi.svi.get_params(state)), ()
+        return vi.posterior(vi.svi.get_params(state), state.mutable_state), ()
 
     def client_weights(messages, weights, server):
         mask = (weights > 0).astype(jnp.float32)

@@ -29,9 +29,14 @@ mean_server_update = server_update_from_stats(params_stats, mean_from_stats)
 
 
 def fedavg(model, *, lr: float = 0.01, local_epochs: int = 1, batch_size: int = 32,
-           clip_norm: float | None = 10.0, momentum: float = 0.0) -> Algorithm:
-    """FedAvg with local SGD (FOLA authors' baseline: clip 10, no momentum)."""
-    client_init, client_step = make_sgd_client(model, clip_norm=clip_norm, momentum=momentum)
+           clip_norm: float | None = 10.0, momentum: float = 0.0, optimizer: str = "sgd") -> Algorithm:
+    """FedAvg with local SGD (FOLA authors' baseline: clip 10, no momentum) or local Adam.
+
+    With a dropout model (``models.get_model(..., dropout_rate=0.2)``) this is
+    the MC-dropout baseline of Fischer et al.; ResNet-20's BatchNorm statistics
+    are averaged with the weights.
+    """
+    client_init, client_step = make_sgd_client(model, clip_norm=clip_norm, momentum=momentum, optimizer=optimizer)
     return Algorithm(
         name="fedavg", model=model,
         server_init=params_server_init, client_init=client_init, client_step=client_step,

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from bfedjax.algorithms.local_sgd import make_sgd_client
-from bfedjax.core.engine import apply_fn_of
+from bfedjax.models.apply import apply_fn_of
 from bfedjax.core.tree import tree_sub, tree_zeros_like, weighted_sum
 from bfedjax.core.types import Algorithm, server_update_from_stats
 from bfedjax.laplace.fisher import offline_fisher

@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from bfedjax.core.engine import apply_fn_of
 from bfedjax.core.tree import tree_zeros_like
 from bfedjax.core.types import Batch, ClientContext
-from bfedjax.laplace.fisher import ESTIMATORS, grad_and_fisher
+from bfedjax.laplace.fisher import ESTIMATORS, grad_and_fisher, train_mode_grad_and_fisher
+from bfedjax.models.apply import apply_fn_of, has_batch_stats, needs_train_mode, train_apply_fn_of
 from bfedjax.posteriors.gaussian import broadcast_precision
 
 # prior_fn(ctx) -> (center pytree, precision pytree or scalar) or None.
@@ -39,18 +39,30 @@ class LocalState(NamedTuple):
     steps: jax.Array
 
 
-def direction_transform(clip_norm: float | None, momentum: float = 0.0) -> optax.GradientTransformation:
-    """Update direction before the (traced) learning rate: clip, then optional heavy-ball momentum."""
+OPTIMIZERS = ("sgd", "adam")
+
+
+def direction_transform(clip_norm: float | None, momentum: float = 0.0,
+                        optimizer: str = "sgd") -> optax.GradientTransformation:
+    """Update direction before the (traced) learning rate: clip, then heavy-ball momentum or Adam's scaling.
+
+    ``optimizer="adam"`` gives ``optax.adam`` (default betas) once multiplied by the learning rate.
+    """
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r}; choose one of {OPTIMIZERS}")
     parts = []
     if clip_norm is not None:
         parts.append(optax.clip_by_global_norm(clip_norm))
-    if momentum:
+    if optimizer == "adam":
+        parts.append(optax.scale_by_adam())
+    elif momentum:
         parts.append(optax.trace(decay=momentum))
     return optax.chain(*parts) if parts else optax.identity()
 
 
 def make_sgd_client(model, *, prior_fn: PriorFn | None = None, fisher: str | None = None,
-                    clip_norm: float | None = 10.0, momentum: float = 0.0, prior_grad: bool = True):
+                    clip_norm: float | None = 10.0, momentum: float = 0.0, prior_grad: bool = True,
+                    optimizer: str = "sgd"):
     """Returns ``(client_init, client_step)`` for local SGD.
 
     Args:
@@ -61,14 +73,28 @@ def make_sgd_client(model, *, prior_fn: PriorFn | None = None, fisher: str | Non
         (one of ``laplace.ESTIMATORS``) or ``None``.
       clip_norm: global-norm clipping of the total gradient (FOLA authors: 10).
       momentum: heavy-ball momentum (0: plain SGD, a fresh state each round).
+      optimizer: ``"sgd"`` or ``"adam"`` (Fischer et al. spec D7: Adam, state reset every round).
       prior_grad: False reproduces the released FOLA code, whose prior term
         is detached (it then contributes no gradient).
+    Models with BatchNorm or dropout (``models.apply``) train in training mode:
+    the step key drives dropout and the BatchNorm statistics of the real rows
+    update the running averages carried in ``params``.
     Hyper-parameters read from ``ctx.hparams``: ``lr``, ``lam``.
     """
     if fisher is not None and fisher not in ESTIMATORS:
         raise ValueError(f"fisher={fisher!r}; choose one of {ESTIMATORS} or None")
     apply_fn = apply_fn_of(model)
-    tx = direction_transform(clip_norm, momentum)
+    train_apply = train_apply_fn_of(model) if needs_train_mode(model) else None
+    tx = direction_transform(clip_norm, momentum, optimizer)
+    stateful_tx = bool(momentum) or optimizer != "sgd"
+
+    def gradient(params, batch, count, key):
+        """(grad, Fisher increment, params with updated BatchNorm statistics)."""
+        if train_apply is None:
+            _, grad, increment = grad_and_fisher(apply_fn, params, batch, count, fisher)
+            return grad, increment, params
+        _, grad, increment, params = train_mode_grad_and_fisher(train_apply, params, batch, count, fisher, key)
+        return grad, increment, params
 
     def client_init(ctx: ClientContext, key) -> LocalState:
         del key
@@ -77,21 +103,22 @@ def make_sgd_client(model, *, prior_fn: PriorFn | None = None, fisher: str | Non
         return LocalState(params, tx.init(params), acc, jnp.zeros((), jnp.int32))
 
     def client_step(local: LocalState, batch: Batch, ctx: ClientContext, key) -> LocalState:
-        del key
-        _, grad, increment = grad_and_fisher(apply_fn, local.params, batch, ctx.data.count, fisher)
+        grad, increment, current = gradient(local.params, batch, ctx.data.count, key)
         if prior_fn is not None and prior_grad:
             center, precision = prior_fn(ctx)
             lam = ctx.hparams["lam"]
             grad = jax.tree.map(lambda g, t, c, p: g + lam * p * (t - c), grad, local.params, center,
                                 broadcast_precision(precision, local.params))
+        if has_batch_stats(model):  # running statistics follow the batches, never the gradient or the prior
+            grad = {**grad, "batch_stats": tree_zeros_like(grad["batch_stats"])}
         lr = ctx.hparams["lr"]
-        if momentum:
-            updates, opt_state = tx.update(grad, local.opt_state, local.params)
-            params = jax.tree.map(lambda t, u: t - lr * u, local.params, updates)
+        if stateful_tx:
+            updates, opt_state = tx.update(grad, local.opt_state, current)
+            params = jax.tree.map(lambda t, u: t - lr * u, current, updates)
         else:  # plain SGD: clipping folded into one scalar step size, one fused pass per leaf
             opt_state = local.opt_state
             step = lr * clip_scale(grad, clip_norm)
-            params = jax.tree.map(lambda t, g: t - step * g, local.params, grad)
+            params = jax.tree.map(lambda t, g: t - step * g, current, grad)
         acc = jax.tree.map(jnp.add, local.fisher, increment) if fisher is not None else ()
         return LocalState(params, opt_state, acc, local.steps + 1)
 

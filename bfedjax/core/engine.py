@@ -34,6 +34,7 @@ from bfedjax.core.batching import batch_is_real, epoch_permutation, take_batch
 from bfedjax.core.tree import tree_stack, weighted_sum
 from bfedjax.core.types import Algorithm, ClientContext, ClientData
 from bfedjax.metrics.classification import evaluate, evaluate_many
+from bfedjax.models.apply import apply_fn_of
 
 BACKENDS = ("vmap", "sequential", "stepwise")
 
@@ -93,11 +94,6 @@ class RoundConfig:
         """Cohort size rounded up to a whole number of chunks (extra slots are zero-weight)."""
         multiple = math.lcm(self.clients_per_chunk or 1, self.pad_cohort_to)
         return math.ceil(self.clients_per_round / multiple) * multiple
-
-
-def apply_fn_of(model):
-    """``(params, x) -> logits`` for a Flax linen module."""
-    return lambda params, x: model.apply({"params": params}, x)
 
 
 def init_state(algorithm: Algorithm, params, num_clients: int) -> EngineState:

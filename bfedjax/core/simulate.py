@@ -16,6 +16,7 @@ import numpy as np
 from bfedjax.core.engine import EngineState, RoundArrays, RoundConfig, init_state, make_round_step
 from bfedjax.core.types import Algorithm
 from bfedjax.metrics.rounds import best_so_far
+from bfedjax.models import zoo
 
 
 @dataclasses.dataclass
@@ -100,8 +101,7 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
     config = RoundConfig(num_clients=num_clients, clients_per_round=k, clients_per_chunk=clients_per_chunk,
                          evaluate_local=evaluate_local, pad_cohort_to=mesh.devices.size if mesh is not None else 1)
     if init_params is None:
-        dummy = jnp.zeros((1,) + fed.input_shape, jnp.float32)
-        init_params = algorithm.model.init(jax.random.fold_in(key, 0), dummy)["params"]
+        init_params = zoo.init_params(algorithm.model, fed.input_shape, jax.random.fold_in(key, 0))
     state = init_state(algorithm, init_params, num_clients)
     if init_server is not None:
         state = state._replace(server=init_server)

@@ -34,7 +34,10 @@ ESTIMATORS = ("batch_mean_sq", "per_sample_sq", "alg1_raw")
 
 def masked_mean_cross_entropy(apply_fn: Callable, params, batch: Batch) -> jax.Array:
     """Mean softmax cross-entropy over the real samples of ``batch`` (a scalar)."""
-    logits = apply_fn(params, batch.x)
+    return _masked_mean_ce(apply_fn(params, batch.x), batch)
+
+
+def _masked_mean_ce(logits, batch: Batch) -> jax.Array:
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch.y)
     return jnp.sum(losses * batch.mask) / jnp.maximum(jnp.sum(batch.mask), 1.0)
 
@@ -75,15 +78,44 @@ def grad_and_fisher(apply_fn: Callable, params, batch: Batch, num_samples: jax.A
         increment = jax.tree.map(lambda g: jnp.sum(jnp.square(g), axis=0) / m, grads)
         return loss, grad, increment
     loss, grad = jax.value_and_grad(masked_mean_cross_entropy, argnums=1)(apply_fn, params, batch)
+    return loss, grad, _increment_from_batch_grad(grad, batch, m, estimator)
+
+
+def _increment_from_batch_grad(grad, batch: Batch, m, estimator: str | None):
+    """Fisher increment of the estimators that square the batch gradient (``None`` without one)."""
     if estimator is None:
-        return loss, grad, None
+        return None
     if estimator == "batch_mean_sq":
-        increment = jax.tree.map(lambda g: (jnp.sum(batch.mask) / m) * jnp.square(g), grad)
-    elif estimator == "alg1_raw":
-        increment = jax.tree.map(jnp.square, grad)
-    else:
-        raise ValueError(f"unknown Fisher estimator {estimator!r}; choose one of {ESTIMATORS}")
-    return loss, grad, increment
+        return jax.tree.map(lambda g: (jnp.sum(batch.mask) / m) * jnp.square(g), grad)
+    if estimator == "alg1_raw":
+        return jax.tree.map(jnp.square, grad)
+    raise ValueError(f"unknown Fisher estimator {estimator!r}; choose one of {ESTIMATORS}")
+
+
+def train_mode_grad_and_fisher(train_apply: Callable, params, batch: Batch, num_samples: jax.Array,
+                               estimator: str | None, key: jax.Array):
+    """``grad_and_fisher`` for models with BatchNorm or dropout.
+
+    Args:
+      train_apply: ``(params, x, mask, key) -> (logits, params)`` (``models.train_apply_fn_of``).
+      key: dropout key of this step.
+    Returns:
+      ``(loss, grad, increment, params)``; the returned ``params`` carry the
+      updated BatchNorm statistics (their gradient is zero).
+    Raises:
+      ValueError: for ``per_sample_sq``, whose per-example passes have no batch statistics.
+    """
+    if estimator == "per_sample_sq":
+        raise ValueError("fisher='per_sample_sq' needs a model without BatchNorm or dropout; "
+                         "use 'batch_mean_sq' or 'alg1_raw'")
+
+    def loss_fn(p):
+        logits, updated = train_apply(p, batch.x, batch.mask, key)
+        return _masked_mean_ce(logits, batch), updated
+
+    (loss, updated), grad = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    m = jnp.maximum(num_samples.astype(jnp.float32), 1.0)
+    return loss, grad, _increment_from_batch_grad(grad, batch, m, estimator), updated
 
 
 def offline_fisher(apply_fn: Callable, params, data: ClientData, batch_size: int, estimator: str = "batch_mean_sq"):

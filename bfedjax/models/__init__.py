@@ -1,6 +1,10 @@
-"""bfedjax model zoo (Flax linen classifiers; params are plain pytrees)."""
+"""bfedjax model zoo (Flax linen classifiers; params are plain pytrees, see ``models.apply``)."""
 
+from bfedjax.models import apply
+from bfedjax.models.apply import apply_fn_of, mc_predict_proba, train_apply_fn_of
+from bfedjax.models.resnet import ResNet20
 from bfedjax.models.zoo import (
+    DROPOUT_MODELS,
     MODELS,
     MLP,
     FolaCNN,
@@ -12,6 +16,7 @@ from bfedjax.models.zoo import (
 )
 
 __all__ = [
-    "Logistic", "MLP", "FolaCNN", "LeNet",
-    "MODELS", "get_model", "init_params", "num_params",
+    "Logistic", "MLP", "FolaCNN", "LeNet", "ResNet20",
+    "MODELS", "DROPOUT_MODELS", "get_model", "init_params", "num_params",
+    "apply", "apply_fn_of", "train_apply_fn_of", "mc_predict_proba",
 ]

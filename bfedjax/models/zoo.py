@@ -4,8 +4,9 @@ All models map inputs ``x`` of shape ``[B, H, W, C]`` (float32) -- or, for the
 fully-connected models, an already-flat ``[B, D]`` -- to logits of shape
 ``[B, num_classes]``.  Parameters are plain pytrees (the ``'params'``
 collection), so per-client parameters can be stacked along a leading axis and
-``jax.vmap``-ed.  There is no BatchNorm and no dropout, so models have no
-mutable state and no RNG requirement at apply time.
+``jax.vmap``-ed.  ``ResNet20`` (``models.resnet``) adds BatchNorm, and the
+MLPs and ResNet-20 take an optional MC-dropout rate; ``models.apply`` applies
+every model the same way.
 
 Initialisation follows the FOLA authors: Glorot (Xavier) uniform kernels and
 zero biases.
@@ -20,6 +21,7 @@ MLP(500, 300)   28x28x1      545,810
 MLP(200, 200)   28x28x1      199,210
 FolaCNN         32x32x3      878,538
 LeNet           28x28x1      61,706
+ResNet20        32x32x3      272,474 trainable (+ BatchNorm statistics)
 ==============  ===========  =========
 """
 
@@ -32,6 +34,9 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
+
+from bfedjax.models.apply import has_batch_stats
+from bfedjax.models.resnet import ResNet20
 
 Params = Any  # a pytree of arrays (the 'params' collection)
 
@@ -79,17 +84,22 @@ class MLP(nn.Module):
 
     Input ``[B, H, W, C]`` or ``[B, D]``; output logits ``[B, num_classes]``.
     Params: ``Dense_i/kernel [d_in, d_out]`` and ``Dense_i/bias [d_out]`` for
-    ``i = 0..len(hidden)``.
+    ``i = 0..len(hidden)``. ``dropout_rate > 0`` adds dropout after every hidden
+    layer (``train=True`` or ``dropout=True`` turns it on; see ``models.apply``).
     """
 
     hidden: Sequence[int] = (200, 200)
     num_classes: int = 10
+    dropout_rate: float = 0.0
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, *, train: bool = False, dropout: bool = False, mask=None) -> jax.Array:
+        del mask  # no batch statistics
         x = _flatten(jnp.asarray(x, jnp.float32))
         for h in self.hidden:
             x = nn.relu(_dense(int(h))(x))
+            if self.dropout_rate > 0:  # MC-dropout baseline: after every hidden layer, not on the logits
+                x = nn.Dropout(self.dropout_rate, deterministic=not (train or dropout))(x)
         return _dense(self.num_classes)(x)
 
 
@@ -143,46 +153,59 @@ class LeNet(nn.Module):
 # Registry / factory
 # --------------------------------------------------------------------------- #
 
-def _make_mlp(num_classes: int, hidden: Sequence[int] | None = None) -> nn.Module:
+def _make_mlp(num_classes: int, hidden: Sequence[int] | None = None, dropout_rate: float = 0.0) -> nn.Module:
     return MLP(hidden=tuple(hidden) if hidden is not None else (200, 200),
-               num_classes=num_classes)
+               num_classes=num_classes, dropout_rate=dropout_rate)
 
 
 MODELS: dict[str, Callable[..., nn.Module]] = {
     "logistic": lambda num_classes, hidden=None: Logistic(num_classes=num_classes),
     "mlp": _make_mlp,
-    "mlp_500_300": lambda num_classes, hidden=None: MLP(hidden=(500, 300), num_classes=num_classes),
-    "mlp_200_200": lambda num_classes, hidden=None: MLP(hidden=(200, 200), num_classes=num_classes),
+    "mlp_500_300": lambda num_classes, hidden=None, dropout_rate=0.0: _make_mlp(num_classes, (500, 300), dropout_rate),
+    "mlp_200_200": lambda num_classes, hidden=None, dropout_rate=0.0: _make_mlp(num_classes, (200, 200), dropout_rate),
     "fola_cnn": lambda num_classes, hidden=None: FolaCNN(num_classes=num_classes),
     "lenet": lambda num_classes, hidden=None: LeNet(num_classes=num_classes),
+    "resnet20": lambda num_classes, hidden=None, dropout_rate=0.0: ResNet20(num_classes=num_classes,
+                                                                             dropout_rate=dropout_rate),
 }
-"""name -> factory ``(num_classes, hidden=None) -> nn.Module``.
+"""name -> factory ``(num_classes, hidden=None[, dropout_rate]) -> nn.Module``.
 
 ``hidden`` is only used by ``"mlp"`` (default ``(200, 200)``); the other
-entries ignore it.
+entries ignore it. Only the MLPs and ``"resnet20"`` take a ``dropout_rate``.
 """
 
 
 def get_model(name: str, num_classes: int,
-              hidden: Sequence[int] | None = None) -> nn.Module:
+              hidden: Sequence[int] | None = None, dropout_rate: float = 0.0) -> nn.Module:
     """Build a model by registry name.
 
     Args:
       name: one of ``MODELS`` (case-insensitive).
       num_classes: number of output logits ``K``.
       hidden: hidden widths for ``"mlp"`` (default ``(200, 200)``); ignored otherwise.
+      dropout_rate: MC-dropout rate (MLPs and ResNet-20 only; 0 = no dropout layers).
 
     Returns:
       An (unbound) ``flax.linen`` module mapping ``[B, ...] -> [B, K]``.
 
     Raises:
-      ValueError: if ``name`` is unknown (the message lists valid names).
+      ValueError: if ``name`` is unknown (the message lists valid names), or
+        ``dropout_rate`` is set for a model without dropout layers.
     """
     key = name.lower() if isinstance(name, str) else name
     if key not in MODELS:
         raise ValueError(
             f"Unknown model {name!r}; available models: {sorted(MODELS)}")
-    return MODELS[key](num_classes, hidden)
+    if not 0.0 <= dropout_rate < 1.0:
+        raise ValueError(f"dropout_rate={dropout_rate} must be in [0, 1)")
+    if dropout_rate == 0.0:
+        return MODELS[key](num_classes, hidden)
+    if key not in DROPOUT_MODELS:
+        raise ValueError(f"model {name!r} has no dropout layers; use one of {DROPOUT_MODELS} for MC dropout")
+    return MODELS[key](num_classes, hidden, dropout_rate=dropout_rate)
+
+
+DROPOUT_MODELS = ("mlp", "mlp_500_300", "mlp_200_200", "resnet20")
 
 
 def init_params(model: nn.Module, input_shape: tuple[int, ...],
@@ -196,8 +219,10 @@ def init_params(model: nn.Module, input_shape: tuple[int, ...],
       key: a PRNG key.
 
     Returns:
-      The ``'params'`` collection: a plain (nested dict) pytree of float32
-      arrays, usable as ``model.apply({'params': params}, x)``.
+      The pytree the engine trains: the ``'params'`` collection (a plain nested
+      dict of float32 arrays, usable as ``model.apply({'params': params}, x)``),
+      or for a model with BatchNorm the variables ``{'params', 'batch_stats'}``
+      (see ``bfedjax.models.apply``).
     """
     input_shape = tuple(int(d) for d in input_shape)
     try:
@@ -209,7 +234,8 @@ def init_params(model: nn.Module, input_shape: tuple[int, ...],
 
 def _init(model: nn.Module, input_shape: tuple[int, ...], key: jax.Array) -> Params:
     dummy = jnp.zeros((1, *input_shape), jnp.float32)
-    return model.init(key, dummy)["params"]
+    variables = model.init(key, dummy)
+    return dict(variables) if has_batch_stats(model) else variables["params"]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -230,6 +256,6 @@ def num_params(params: Params) -> int:
 
 
 __all__ = [
-    "Logistic", "MLP", "FolaCNN", "LeNet",
-    "MODELS", "get_model", "init_params", "num_params",
+    "Logistic", "MLP", "FolaCNN", "LeNet", "ResNet20",
+    "MODELS", "DROPOUT_MODELS", "get_model", "init_params", "num_params",
 ]

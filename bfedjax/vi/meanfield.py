@@ -9,8 +9,14 @@ masked mini-batch is scaled by ``count / n_batch``, so one SVI step minimises
 Adam the constant factor does not change the steps).
 
 Posteriors cross the wire as a pair of parameter pytrees ``{"params": loc,
-"scale": scale}``; deterministic leaves (biases by default, spec D3) carry
-their value in ``params`` and scale 0.
+"scale": scale}``; deterministic leaves (biases and normalisation layers by
+default, spec D3) carry their value in ``params`` and scale 0. Only
+``kernel`` leaves are variational unless ``variational_biases``.
+
+Models with BatchNorm (``models.apply``, e.g. ResNet-20): ``params`` is the
+variables dict ``{"params", "batch_stats"}`` as everywhere in the engine; the
+running statistics are NumPyro mutable state (``random_flax_module(...,
+mutable=["batch_stats"])``) during SVI and deterministic leaves on the wire.
 """
 from __future__ import annotations
 
@@ -25,18 +31,29 @@ from numpyro.contrib.module import random_flax_module
 from numpyro.infer import SVI, TraceMeanField_ELBO
 from numpyro.infer.autoguide import AutoNormal
 
+from bfedjax.models.apply import apply_fn_of, has_batch_stats, needs_train_mode
+
 NET = "net"
+STATE = f"{NET}$state"
 
 
 def _path_name(path: tuple) -> str:
     return ".".join(str(p) for p in path)
 
 
+def _is_variational(path: tuple, variational_biases: bool) -> bool:
+    """Kernels always; biases only on option and never those of normalisation layers (spec D3)."""
+    if path[-1] == "kernel":
+        return True
+    return variational_biases and path[-1] == "bias" and not any("Norm" in str(p) for p in path[:-1])
+
+
 @dataclasses.dataclass(frozen=True)
 class MeanFieldConfig:
     """prior_scale: std of the N(0, prior_scale^2) prior (spec D6: variance 100 -> 10).
     init_scale: initial posterior std (softplus(-3) ~ 0.0486, spec D4).
-    variational_biases: put a prior and a posterior on biases too (default: point estimates).
+    variational_biases: put a prior and a posterior on dense/conv biases too (default: point
+      estimates); normalisation layers stay deterministic.
     train_samples / test_samples: MC samples of the ELBO and of the predictive.
     learning_rate: Adam step (spec D7: 1e-3, fresh state every round).
     """
@@ -56,12 +73,18 @@ class MeanFieldVI:
         self.module = module
         self.input_shape = tuple(input_shape)
         self.config = config
+        self.stateful = has_batch_stats(module)
+        self.train_mode = needs_train_mode(module)
         params = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), jnp.zeros((1,) + self.input_shape)))["params"]
-        flat = traverse_util.flatten_dict(params)
-        self.variational = frozenset(
-            _path_name(path) for path in flat if config.variational_biases or path[-1] != "bias")
+        self._prefix = ("params",) if self.stateful else ()  # where the Flax params sit in the wire tree
+        # NumPyro site name (path inside the Flax params) -> path in the wire tree
+        self._sites = {_path_name(path): self._prefix + path for path in traverse_util.flatten_dict(params)
+                       if _is_variational(path, config.variational_biases)}
+        self.variational = frozenset(_path_name(p) for p in self._sites.values())
+        """Dotted paths of the variational leaves in the wire (engine) tree."""
         self.guide = AutoNormal(self.numpyro_model, init_scale=config.init_scale)
-        self.svi = SVI(self.numpyro_model, self.guide, optax.adam(config.learning_rate),
+        # the learning rate is a hyper-parameter in the optimiser state, so a round can set it (traced)
+        self.svi = SVI(self.numpyro_model, self.guide, optax.inject_hyperparams(optax.adam)(config.learning_rate),
                        TraceMeanField_ELBO(num_particles=config.train_samples))
 
     # -- the probabilistic model ------------------------------------------------------------
@@ -70,13 +93,13 @@ class MeanFieldVI:
         """x ``[B, ...]``, y ``[B]``, mask ``[B]``, count ``[]``; optional prior pytrees (global posterior)."""
 
         if prior_loc is None:
-            prior = {name: dist.Normal(0.0, self.config.prior_scale) for name in self.variational}
+            prior = {name: dist.Normal(0.0, self.config.prior_scale) for name in self._sites}
         else:
             flat_loc, flat_scale = traverse_util.flatten_dict(prior_loc), traverse_util.flatten_dict(prior_scale)
-            prior = {name: dist.Normal(flat_loc[tuple(name.split("."))], flat_scale[tuple(name.split("."))])
-                     for name in self.variational}
-        net = random_flax_module(NET, self.module, prior=prior, input_shape=(1,) + self.input_shape)
-        logits = net(x)
+            prior = {name: dist.Normal(flat_loc[path], flat_scale[path]) for name, path in self._sites.items()}
+        net = random_flax_module(NET, self.module, prior=prior, input_shape=(1,) + self.input_shape,
+                                 mutable=["batch_stats"] if self.stateful else None)
+        logits = net(x, train=True, mask=mask) if self.train_mode else net(x)
         n_batch = jnp.maximum(jnp.sum(mask), 1.0)
         with numpyro.handlers.scale(scale=count / n_batch), numpyro.handlers.mask(mask=mask > 0):
             numpyro.sample("y", dist.Categorical(logits=logits), obs=y)
@@ -84,49 +107,83 @@ class MeanFieldVI:
     # -- conversions between SVI params and wire posteriors -----------------------------------
 
     def svi_params(self, posterior: dict) -> dict:
-        """Constrained SVI params (guide locs/scales and deterministic leaves) from ``{"params", "scale"}``."""
+        """Constrained SVI params (guide locs/scales and deterministic leaves) from ``{"params", "scale"}``.
+
+        For a model with BatchNorm the dict also holds the mutable running
+        statistics under ``STATE``; ``SVI.init(..., init_params=...)`` substitutes them.
+        """
+        flax_params = posterior["params"]["params"] if self.stateful else posterior["params"]
         flat_loc = traverse_util.flatten_dict(posterior["params"])
         flat_scale = traverse_util.flatten_dict(posterior["scale"])
         # a fresh container: random_flax_module rewrites the entries of the params dict it is given
-        out = {f"{NET}$params": jax.tree.map(lambda v: v, posterior["params"])}
-        for path, loc in flat_loc.items():
-            name = _path_name(path)
-            if name in self.variational:
-                out[f"{NET}/{name}_auto_loc"] = loc
-                out[f"{NET}/{name}_auto_scale"] = flat_scale[path]
+        out = {f"{NET}$params": jax.tree.map(lambda v: v, flax_params)}
+        for name, path in self._sites.items():
+            out[f"{NET}/{name}_auto_loc"] = flat_loc[path]
+            out[f"{NET}/{name}_auto_scale"] = flat_scale[path]
+        if self.stateful:
+            out[STATE] = {"batch_stats": posterior["params"]["batch_stats"]}
         return out
 
-    def posterior(self, svi_params: dict) -> dict:
-        """``{"params": loc tree, "scale": scale tree}`` from constrained SVI params."""
+    def posterior(self, svi_params: dict, mutable_state: dict | None = None) -> dict:
+        """``{"params": loc tree, "scale": scale tree}`` from constrained SVI params (and SVI mutable state)."""
         flat = traverse_util.flatten_dict(svi_params[f"{NET}$params"])
         loc, scale = {}, {}
         for path, value in flat.items():
             name = _path_name(path)
-            if name in self.variational:
+            if name in self._sites:
                 loc[path] = svi_params[f"{NET}/{name}_auto_loc"]
                 scale[path] = svi_params[f"{NET}/{name}_auto_scale"]
             else:
                 loc[path], scale[path] = value, jnp.zeros_like(value)
-        return {"params": traverse_util.unflatten_dict(loc), "scale": traverse_util.unflatten_dict(scale)}
+        loc, scale = traverse_util.unflatten_dict(loc), traverse_util.unflatten_dict(scale)
+        if not self.stateful:
+            return {"params": loc, "scale": scale}
+        stats = (mutable_state or svi_params)[STATE]["batch_stats"]
+        return {"params": {"params": loc, "batch_stats": stats},
+                "scale": {"params": scale, "batch_stats": jax.tree.map(jnp.zeros_like, stats)}}
 
     def init_posterior(self, key) -> dict:
-        """Initial global posterior: loc from the Flax init (Glorot kernels), scale ``init_scale``."""
-        params = self.module.init(key, jnp.zeros((1,) + self.input_shape))["params"]
+        """Initial global posterior: loc from the Flax init (the zoo's kernels), scale ``init_scale``."""
+        variables = self.module.init(key, jnp.zeros((1,) + self.input_shape))
+        return self.posterior_from_params(dict(variables) if self.stateful else variables["params"])
+
+    def posterior_from_params(self, params) -> dict:
+        """A posterior centred on ``params`` (wire tree): ``init_scale`` on variational leaves, 0 elsewhere."""
         flat = traverse_util.flatten_dict(params)
         scale = {p: (jnp.full_like(v, self.config.init_scale) if _path_name(p) in self.variational
                      else jnp.zeros_like(v)) for p, v in flat.items()}
         return {"params": params, "scale": traverse_util.unflatten_dict(scale)}
+
+    def init_svi_state(self, key, x, y, count, posterior: dict, *prior):
+        """SVI state of a client starting from ``posterior`` (wire form), fitted to batches like ``x [B, ...]``.
+
+        ``x``, ``y`` only fix shapes. BatchNorm statistics start from the
+        posterior's (the init trace's own update of them is discarded).
+        """
+        state = self.svi.init(key, x, y, jnp.ones(y.shape[0]), count, *prior, init_params=self.svi_params(posterior))
+        if self.stateful:
+            state = state._replace(mutable_state={STATE: {"batch_stats": posterior["params"]["batch_stats"]}})
+        return state
+
+    @staticmethod
+    def with_learning_rate(state, learning_rate):
+        """``state`` (an ``SVIState``) with Adam's learning rate set to ``learning_rate`` (may be traced)."""
+        step, (params, adam) = state.optim_state
+        adam = adam._replace(hyperparams={**adam.hyperparams,
+                                          "learning_rate": jnp.asarray(learning_rate, jnp.float32)})
+        return state._replace(optim_state=(step, (params, adam)))
 
     def predict_proba(self, posterior: dict, x, key, num_samples: int | None = None):
         """MC class probabilities ``[M, T, C]`` of inputs ``x [T, ...]`` under the posterior."""
         m = num_samples or self.config.test_samples
         flat_loc = traverse_util.flatten_dict(posterior["params"])
         flat_scale = traverse_util.flatten_dict(posterior["scale"])
+        apply = apply_fn_of(self.module)
 
         def one(k):
             keys = jax.random.split(k, len(flat_loc))
             sample = {p: loc + flat_scale[p] * jax.random.normal(kk, loc.shape)
                       for (p, loc), kk in zip(flat_loc.items(), keys)}
-            return jax.nn.softmax(self.module.apply({"params": traverse_util.unflatten_dict(sample)}, x), -1)
+            return jax.nn.softmax(apply(traverse_util.unflatten_dict(sample), x), -1)
 
         return jax.lax.map(one, jax.random.split(key, m))
