@@ -2,7 +2,7 @@
 PYTHON ?= python3
 OUT ?= out
 
-.PHONY: install install-dev demo test iv-e data
+.PHONY: install install-dev demo test iv-e bfl-rules bfl-rules-fmnist data
 
 install:
 	$(PYTHON) -m pip install -q -e .
@@ -30,3 +30,12 @@ iv-e: install data
 	  --runs fedavg:--algorithm=fedavg fola_online:--algorithm=fola "fola_offline:--algorithm=fola --fisher=offline --lam=0" \
 	  --output_dir=$(OUT)/iv_e --results_file=results/fola_iv_e_two_clients.md \
 	  --title="FOLA Sec. IV-E: two clients, disjoint class halves, pi_1=0.51"
+
+# Fischer et al. rules + deterministic and MC-dropout FedAvg on digits -> results/bfl_rules_digits.md (about 20 min)
+bfl-rules: install
+	$(PYTHON) -m experiments.bfl_rules
+
+# The same comparison on Fashion-MNIST (10,000 training images, about 7x the local steps of digits)
+# -> results/bfl_rules_fashion_mnist.md
+bfl-rules-fmnist: install data
+	$(PYTHON) -m experiments.bfl_rules --dataset=fashion_mnist --max_train=10000

@@ -79,6 +79,10 @@ flags.DEFINE_enum("rule", "wc", ("nwa", "ws", "lp", "conflation", "iv", "wc", "l
                   "bfl: aggregation rule (Fischer et al.).")
 flags.DEFINE_enum("weighting", "train_size", ("equal", "train_size", "max_discrepancy", "distance"),
                   "bfl: client weighting.")
+flags.DEFINE_enum("dwc_guard", "conflation", ("conflation", "floor", "none"),
+                  "bfl --rule=dwc: where Eq. 17's precision is not positive fall back to conflation, or clip it "
+                  "at --dwc_floor_ratio x the clients' mean precision, or no guard (spec D17).")
+flags.DEFINE_float("dwc_floor_ratio", 1.0, "Floor of --dwc_guard=floor, relative to the clients' mean precision.")
 flags.DEFINE_bool("prior_update", False, "bfl: clients use the global posterior as their ELBO prior.")
 flags.DEFINE_float("prior_scale", 10.0, "bfl: std of the N(0, s^2) weight prior.")
 flags.DEFINE_bool("variational_biases", False, "bfl: biases variational too (default: point estimates).")
@@ -109,6 +113,7 @@ flags.register_validator("pretrain_fraction", lambda v: 0 <= v < 1,
 flags.register_validator("momentum", lambda v: 0 <= v < 1, message="--momentum must be in [0, 1)")
 flags.register_validator("dropout_rate", lambda v: 0 <= v < 1, message="--dropout_rate must be in [0, 1), e.g. 0.2")
 flags.register_validator("lr_decay_rate", lambda v: 0 < v < 1, message="--lr_decay_rate must be in (0, 1), e.g. 0.04")
+flags.register_validator("dwc_floor_ratio", lambda v: v > 0, message="--dwc_floor_ratio must be > 0, e.g. 1.0")
 flags.register_validator("test_samples", lambda v: v >= 1, message="--test_samples must be >= 1")
 flags.register_multi_flags_validator(
     ["optimizer", "algorithm"], lambda f: f["optimizer"] == "sgd" or f["algorithm"] == "fedavg",
@@ -201,7 +206,8 @@ def make_algorithm(num_classes: int, input_shape: tuple[int, ...]):
         return bf.algorithms.bfl(model, input_shape, rule=FLAGS.rule, weighting_scheme=FLAGS.weighting,
                                  prior_update=FLAGS.prior_update, lr=FLAGS.lr, local_epochs=FLAGS.local_epochs,
                                  batch_size=FLAGS.batch_size, prior_scale=FLAGS.prior_scale,
-                                 variational_biases=FLAGS.variational_biases, train_samples=FLAGS.train_samples)
+                                 variational_biases=FLAGS.variational_biases, train_samples=FLAGS.train_samples,
+                                 dwc_guard=FLAGS.dwc_guard, dwc_floor_ratio=FLAGS.dwc_floor_ratio)
     if FLAGS.algorithm == "fedcurv":
         return bf.algorithms.fedcurv(model, variant=FLAGS.fedcurv_variant, **lam, **common)
     options = {name: getattr(FLAGS, name) for name in

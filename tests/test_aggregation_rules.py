@@ -134,6 +134,29 @@ def test_dwc_identities_and_guard():
         P.aggregate("dwc", q, w)
 
 
+def test_dwc_floor_and_unguarded_options():
+    q, w = _clients(4)
+    vague = DiagGaussian(q.mean, jnp.full_like(q.precision, 0.1))
+    sharp_prior = DiagGaussian(jnp.zeros(7) + 0.3, jnp.full(7, 10.0))
+    k = int(jnp.sum(w > 0))
+    floored, hits = P.distributed_weight_consolidation(vague, w, sharp_prior, guard="floor", floor_ratio=0.5)
+    assert int(hits) == 7
+    np.testing.assert_allclose(floored.precision, 0.5 * 0.1, rtol=1e-10)  # 0.5 x the clients' mean precision
+    shifted = jnp.sum(vague.precision * vague.mean, 0) - (k - 1) * 10.0 * 0.3
+    np.testing.assert_allclose(floored.mean, shifted / 0.05, rtol=1e-10)
+    raw, raw_hits = P.distributed_weight_consolidation(vague, w, sharp_prior, guard="none")
+    assert int(raw_hits) == 7 and np.all(raw.precision < 0)
+    # Where Eq. 17 is already well above the floor, every guard leaves it alone.
+    exact, _ = P.distributed_weight_consolidation(q, w, DiagGaussian(q.mean[0], jnp.full(7, 1e-3)))
+    for guard in ("floor", "none"):
+        other, n = P.distributed_weight_consolidation(q, w, DiagGaussian(q.mean[0], jnp.full(7, 1e-3)), guard=guard,
+                                                      floor_ratio=0.01)
+        assert int(n) == 0
+        chex.assert_trees_all_close(other, exact, rtol=1e-10)
+    with pytest.raises(ValueError, match="guard"):
+        P.distributed_weight_consolidation(q, w, sharp_prior, guard="clip")
+
+
 def test_rules_are_elementwise_and_permutation_invariant_on_trees():
     q, w = _clients(7, k=4, d=6)
     tree = DiagGaussian({"a": q.mean[:, :2], "b": q.mean[:, 2:]}, {"a": q.precision[:, :2], "b": q.precision[:, 2:]})

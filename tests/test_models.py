@@ -51,6 +51,8 @@ def _abstract_params(model, input_shape):
         ("fola_cnn", None, (32, 32, 3), 878_538),
         # LeNet: 156 + 2,416 + 48,120 + 10,164 + 850
         ("lenet", None, (28, 28, 1), 61_706),
+        # FedReg CNN: 832 + 25,632 + 51,264 + 147,712 + 2,570
+        ("fedreg_cnn", None, (28, 28, 1), 228_010),
     ],
 )
 def test_param_counts(name, hidden, input_shape, expected):
@@ -130,7 +132,7 @@ def test_vmap_over_stacked_clients():
 
 def test_registry_and_unknown_name():
     assert set(MODELS) == {"logistic", "mlp", "mlp_500_300", "mlp_200_200", "fola_cnn", "lenet",
-                           "resnet20"}
+                           "resnet20", "fedreg_cnn"}
     assert isinstance(get_model("fola_cnn", 10), FolaCNN)
     assert isinstance(get_model("lenet", 10), LeNet)
     assert isinstance(get_model("logistic", 10), Logistic)
@@ -139,3 +141,12 @@ def test_registry_and_unknown_name():
     assert get_model("mlp_500_300", 10).hidden == (500, 300)
     with pytest.raises(ValueError, match="logistic"):
         get_model("resnet9000", 10)
+
+
+def test_fedreg_cnn_uses_pytorch_default_bounds():
+    params = init_params(get_model("fedreg_cnn", 10), (28, 28, 1), jax.random.PRNGKey(0))
+    for name, fan_in in (("Conv_0", 25), ("Conv_1", 800), ("Conv_2", 800), ("Dense_0", 576), ("Dense_1", 256)):
+        bound = 1 / np.sqrt(fan_in)
+        for leaf in (params[name]["kernel"], params[name]["bias"]):
+            assert float(jnp.max(jnp.abs(leaf))) <= bound
+            assert float(jnp.max(jnp.abs(leaf))) > 0.8 * bound  # uniform over the whole interval

@@ -40,8 +40,12 @@ def _variational_posterior(loc_tree, scale_tree, variational) -> DiagGaussian:
 
 
 def bfl(model, input_shape, *, rule: str = "wc", weighting_scheme: str = "train_size", prior_update: bool = False,
-        lr: float = 1e-3, local_epochs: int = 1, batch_size: int = 32, **vi_options) -> Algorithm:
+        lr: float = 1e-3, local_epochs: int = 1, batch_size: int = 32, dwc_guard: str = "conflation",
+        dwc_floor_ratio: float = 1.0, **vi_options) -> Algorithm:
     """Builds the algorithm. ``vi_options`` are ``MeanFieldConfig`` fields (prior_scale, init_scale, ...).
+
+    ``dwc_guard`` / ``dwc_floor_ratio``: how DWC treats weights whose Eq. 17
+    precision is not positive (``aggregation.distributed_weight_consolidation``).
 
     The server state is ``{"params": loc, "scale": scale, ...}``; GA evaluates the
     posterior mean, and ``vi.MeanFieldVI(model, input_shape).predict_proba``
@@ -49,6 +53,8 @@ def bfl(model, input_shape, *, rule: str = "wc", weighting_scheme: str = "train_
     """
     if rule not in RULES:
         raise ValueError(f"rule={rule!r}; choose one of {RULES}")
+    if dwc_guard not in aggregation.DWC_GUARDS:
+        raise ValueError(f"dwc_guard={dwc_guard!r}; choose one of {aggregation.DWC_GUARDS}")
     if weighting_scheme not in weighting.WEIGHTINGS:
         raise ValueError(f"weighting_scheme={weighting_scheme!r}; choose one of {weighting.WEIGHTINGS}")
     vi = MeanFieldVI(model, input_shape, dataclasses.replace(MeanFieldConfig(learning_rate=lr), **vi_options))
@@ -100,7 +106,7 @@ def bfl(model, input_shape, *, rule: str = "wc", weighting_scheme: str = "train_
         hits = jnp.zeros((), jnp.int32)
         if rule == "dwc":
             prior = _variational_posterior(server["params"], server["scale"], vi.variational)
-            fused, hits = aggregation.distributed_weight_consolidation(stacked, w, prior)
+            fused, hits = aggregation.distributed_weight_consolidation(stacked, w, prior, dwc_guard, dwc_floor_ratio)
         else:
             fused = aggregation.aggregate(rule, stacked, w)
         scale = {p: jax.lax.rsqrt(prec) for p, prec in fused.precision.items()}

@@ -5,6 +5,7 @@ from bfedjax.models.apply import apply_fn_of, mc_predict_proba, train_apply_fn_o
 from bfedjax.models.resnet import ResNet20
 from bfedjax.models.zoo import (
     DROPOUT_MODELS,
+    FedRegCNN,
     MODELS,
     MLP,
     FolaCNN,
@@ -16,7 +17,7 @@ from bfedjax.models.zoo import (
 )
 
 __all__ = [
-    "Logistic", "MLP", "FolaCNN", "LeNet", "ResNet20",
+    "Logistic", "MLP", "FolaCNN", "LeNet", "FedRegCNN", "ResNet20",
     "MODELS", "DROPOUT_MODELS", "get_model", "init_params", "num_params",
     "apply", "apply_fn_of", "train_apply_fn_of", "mc_predict_proba",
 ]

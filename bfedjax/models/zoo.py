@@ -21,6 +21,7 @@ MLP(500, 300)   28x28x1      545,810
 MLP(200, 200)   28x28x1      199,210
 FolaCNN         32x32x3      878,538
 LeNet           28x28x1      61,706
+FedRegCNN       28x28x1      228,010
 ResNet20        32x32x3      272,474 trainable (+ BatchNorm statistics)
 ==============  ===========  =========
 """
@@ -149,6 +150,47 @@ class LeNet(nn.Module):
         return _dense(self.num_classes)(x)
 
 
+def _torch_uniform_init(fan_in: int):
+    """PyTorch's default for conv/linear biases: U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+    bound = 1.0 / math.sqrt(fan_in)
+    return lambda key, shape, dtype=jnp.float32: jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+# PyTorch's default kernel init (kaiming_uniform with a = sqrt(5)) is the same bound on the kernel.
+TORCH_KERNEL_INIT = nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
+
+
+class FedRegCNN(nn.Module):
+    """FedReg's MNIST/EMNIST CNN ("3 conv + 2 FC", 228,010 parameters), PyTorch initialisation.
+
+    Conv(32, 5x5, VALID) -> ReLU -> Conv(32, 5x5, VALID) -> MaxPool 2 -> ReLU ->
+    Conv(64, 5x5, VALID) -> MaxPool 2 -> ReLU -> Flatten -> Dense(256) -> ReLU -> Dense(num_classes).
+
+    Input ``[B, 28, 28, C]``; output ``[B, num_classes]``.
+    Shapes: 28x28 -> 24x24x32 -> 20x20x32 -> 10x10x32 -> 6x6x64 -> 3x3x64 = 576 -> 256 -> K.
+    """
+
+    num_classes: int = 10
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = jnp.asarray(x, jnp.float32)
+
+        def conv(x, features):
+            fan_in = 25 * x.shape[-1]
+            return nn.Conv(features, (5, 5), padding="VALID", kernel_init=TORCH_KERNEL_INIT,
+                           bias_init=_torch_uniform_init(fan_in))(x)
+
+        def dense(x, features):
+            return nn.Dense(features, kernel_init=TORCH_KERNEL_INIT, bias_init=_torch_uniform_init(x.shape[-1]))(x)
+
+        x = nn.relu(conv(x, 32))
+        x = nn.relu(_max_pool_2x2(conv(x, 32)))
+        x = nn.relu(_max_pool_2x2(conv(x, 64)))
+        x = nn.relu(dense(_flatten(x), 256))
+        return dense(x, self.num_classes)
+
+
 # --------------------------------------------------------------------------- #
 # Registry / factory
 # --------------------------------------------------------------------------- #
@@ -165,6 +207,7 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "mlp_200_200": lambda num_classes, hidden=None, dropout_rate=0.0: _make_mlp(num_classes, (200, 200), dropout_rate),
     "fola_cnn": lambda num_classes, hidden=None: FolaCNN(num_classes=num_classes),
     "lenet": lambda num_classes, hidden=None: LeNet(num_classes=num_classes),
+    "fedreg_cnn": lambda num_classes, hidden=None: FedRegCNN(num_classes=num_classes),
     "resnet20": lambda num_classes, hidden=None, dropout_rate=0.0: ResNet20(num_classes=num_classes,
                                                                              dropout_rate=dropout_rate),
 }
@@ -256,6 +299,6 @@ def num_params(params: Params) -> int:
 
 
 __all__ = [
-    "Logistic", "MLP", "FolaCNN", "LeNet", "ResNet20",
+    "Logistic", "MLP", "FolaCNN", "LeNet", "FedRegCNN", "ResNet20",
     "MODELS", "DROPOUT_MODELS", "get_model", "init_params", "num_params",
 ]

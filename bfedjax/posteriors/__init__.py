@@ -1,6 +1,6 @@
 """Diagonal-Gaussian posteriors, every aggregation rule, and client weightings."""
 from bfedjax.posteriors import weighting
-from bfedjax.posteriors.aggregation import (RULES, aggregate, centered_linear_pool, conflation,
+from bfedjax.posteriors.aggregation import (DWC_GUARDS, RULES, aggregate, centered_linear_pool, conflation,
                                             distributed_weight_consolidation, gaussian_product,
                                             gaussian_product_from_stats, gaussian_product_stats, linear_pool,
                                             log_linear_pool, moment_matched_mixture, nwa, weighted_conflation,
@@ -9,7 +9,7 @@ from bfedjax.posteriors.gaussian import (DiagGaussian, from_scale, from_variance
                                          quadratic_penalty, rho_to_scale, scale_to_rho, softplus_inverse)
 
 __all__ = [
-    "RULES", "DiagGaussian", "aggregate", "centered_linear_pool", "conflation",
+    "DWC_GUARDS", "RULES", "DiagGaussian", "aggregate", "centered_linear_pool", "conflation",
     "distributed_weight_consolidation", "from_scale", "from_variance", "gaussian_product",
     "gaussian_product_from_stats", "gaussian_product_stats", "kl_divergence", "linear_pool", "log_density",
     "log_linear_pool", "moment_matched_mixture", "nwa", "quadratic_penalty", "rho_to_scale", "scale_to_rho",

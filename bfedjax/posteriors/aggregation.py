@@ -128,25 +128,46 @@ def weighted_conflation(stacked: DiagGaussian, weights) -> DiagGaussian:
     return DiagGaussian(pooled.mean, jax.tree.map(lambda p: p / jnp.max(w), pooled.precision))
 
 
-def distributed_weight_consolidation(stacked: DiagGaussian, weights, prior: DiagGaussian):
+DWC_GUARDS = ("conflation", "floor", "none")
+
+
+def distributed_weight_consolidation(stacked: DiagGaussian, weights, prior: DiagGaussian, guard: str = "conflation",
+                                     floor_ratio: float = 1.0):
     """DWC (Eq. 17): q_g proportional to prod_k q_k / q_prior^(K-1).
 
     precision = sum_k 1/sigma_k^2 - (K-1)/sigma_prior^2 and the matching mean.
-    Where that precision is not positive, the coordinate falls back to
-    Conflation (spec D17). K counts the clients with positive weight.
+    K counts the clients with positive weight. Guards (spec D17):
 
-    Returns ``(posterior, guard_hits)``: the number of coordinates that fell back.
+    * ``"conflation"`` (default): where that precision is not positive, the
+      coordinate falls back to Conflation.
+    * ``"floor"``: the precision is clipped from below at ``floor_ratio`` times
+      the clients' mean precision (``sum_k 1/sigma_k^2 / K``) and the mean is
+      computed with the clipped precision, which bounds how far it can
+      extrapolate where the prior and the clients nearly cancel.
+    * ``"none"``: Eq. 17 as printed (non-positive precisions pass through).
+
+    Returns ``(posterior, guard_hits)``: the number of coordinates the guard changed.
     """
+    if guard not in DWC_GUARDS:
+        raise ValueError(f"DWC guard={guard!r}; choose one of {DWC_GUARDS}")
     real = (weights > 0).astype(jnp.float32)
-    k_minus_1 = jnp.sum(real) - 1.0
+    k = jnp.sum(real)
     conf = gaussian_product(stacked, real)
     stats = weighted_sum(jax.vmap(gaussian_product_stats)(stacked), real)
 
     def leaf(num, prec, prior_mean, prior_prec, conf_mean, conf_prec):
-        dwc_prec = prec - k_minus_1 * prior_prec
+        dwc_prec = prec - (k - 1.0) * prior_prec
+        shifted = num - (k - 1.0) * prior_prec * prior_mean
+        if guard == "floor":
+            floor = floor_ratio * prec / k
+            hit = dwc_prec < floor
+            clipped = jnp.maximum(dwc_prec, floor)
+            return shifted / clipped, clipped, jnp.sum(hit)
         ok = dwc_prec > 0
-        dwc_mean = (num - k_minus_1 * prior_prec * prior_mean) / jnp.where(ok, dwc_prec, 1.0)
-        return (jnp.where(ok, dwc_mean, conf_mean), jnp.where(ok, dwc_prec, conf_prec), jnp.sum(~ok))
+        if guard == "none":
+            return shifted / dwc_prec, dwc_prec, jnp.sum(~ok)
+        dwc_mean = shifted / jnp.where(ok, dwc_prec, 1.0)
+        return jnp.where(ok, dwc_mean, conf_mean), jnp.where(ok, dwc_prec, conf_prec), jnp.sum(~ok)
 
     out = jax.tree.map(leaf, stats[0], stats[1], prior.mean, prior.precision, conf.mean, conf.precision)
     is_triple = lambda x: isinstance(x, tuple) and len(x) == 3
