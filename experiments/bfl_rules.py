@@ -57,17 +57,8 @@ def run_one(data, method, partition, epochs, rounds, seed):
                                  batch_size=FLAGS.batch_size, test_samples=FLAGS.test_samples)
     res = bf.simulate(algo, fed, rounds=rounds, key=jax.random.PRNGKey(seed), evaluate_local=False)
     x, y = jnp.asarray(fed.x_test), jnp.asarray(fed.y_test)
-    if method == "fedavg":
-        probs = jax.nn.softmax(bf.models.apply_fn_of(model)(res.state.server["params"], x), -1)[None]
-        scale = float("nan")
-    elif method == "mc_dropout":
-        probs = bf.models.mc_predict_proba(model, res.state.server["params"], x, jax.random.PRNGKey(1000 + seed),
-                                           FLAGS.test_samples)
-        scale = float("nan")
-    else:
-        vi = bf.vi.MeanFieldVI(model, fed.input_shape)
-        probs = vi.predict_proba(res.state.server, x, jax.random.PRNGKey(1000 + seed), FLAGS.test_samples)
-        scale = res.metrics["mean_posterior_scale"][-1]
+    probs = bf.algorithms.predict_proba(algo, res.state.server, x, jax.random.PRNGKey(1000 + seed), FLAGS.test_samples)
+    scale = float("nan") if method in BASELINES else res.metrics["mean_posterior_scale"][-1]
     s = uncertainty.summary(probs, y)
     return {"accuracy": float(s["accuracy"]), "nll": float(s["nll"]), "ece": float(s["ece"]), "scale": scale}
 

@@ -225,7 +225,7 @@ def learning_rate_fn():
     return lambda r: {"lr": schedule(r)}
 
 
-def final_uncertainty(algorithm, server, fed, num_classes: int) -> dict:
+def final_uncertainty(algorithm, server, fed) -> dict:
     """Accuracy, NLL, ECE, Brier and mean entropy of the final global predictive on the test set.
 
     bfl: the ``--test_samples``-sample MC predictive of the posterior; MC dropout:
@@ -234,32 +234,10 @@ def final_uncertainty(algorithm, server, fed, num_classes: int) -> dict:
     import jax
     import jax.numpy as jnp
     import bfedjax as bf
-    x, y = jnp.asarray(fed.x_test), jnp.asarray(fed.y_test)
-    key = jax.random.PRNGKey(FLAGS.seed + 20_000)
-    model = algorithm.model
-    if FLAGS.algorithm == "bfl":
-        vi = bf.vi.MeanFieldVI(model, fed.input_shape)
-        probs = jax.lax.map(lambda xb: vi.predict_proba(server, xb, key, FLAGS.test_samples),
-                            _test_batches(x))
-    elif bf.models.apply.has_dropout(model):
-        probs = jax.lax.map(lambda xb: bf.models.mc_predict_proba(model, server["params"], xb, key,
-                                                                  FLAGS.test_samples), _test_batches(x))
-    else:
-        probs = jax.lax.map(lambda xb: jax.nn.softmax(bf.models.apply_fn_of(model)(server["params"], xb), -1)[None],
-                            _test_batches(x))
-    # [nb, M, b, C] -> [M, T, C]
-    probs = jnp.moveaxis(probs, 1, 0).reshape(probs.shape[1], -1, num_classes)[:, : y.shape[0]]
-    out = bf.metrics.uncertainty.summary(probs, y)
+    probs = bf.algorithms.predict_proba(algorithm, server, jnp.asarray(fed.x_test),
+                                        jax.random.PRNGKey(FLAGS.seed + 20_000), FLAGS.test_samples)
+    out = bf.metrics.uncertainty.summary(probs, jnp.asarray(fed.y_test))
     return {k: float(v) for k, v in out.items() if jnp.ndim(v) == 0}
-
-
-def _test_batches(x, size: int = 500):
-    """``x [T, ...]`` zero-padded and reshaped to ``[ceil(T/size), size, ...]``."""
-    import jax.numpy as jnp
-    nb = -(-x.shape[0] // size)
-    pad = nb * size - x.shape[0]
-    x = jnp.concatenate([x, jnp.zeros((pad,) + x.shape[1:], x.dtype)]) if pad else x
-    return x.reshape((nb, size) + x.shape[1:])
 
 
 def main(argv):
@@ -324,7 +302,7 @@ def main(argv):
     }
     if "local_accuracy" in result.metrics:
         summary["best_local_accuracy"] = max(result.metrics["local_accuracy"])
-    summary["uncertainty"] = final_uncertainty(algorithm, result.state.server, fed, dataset.num_classes)
+    summary["uncertainty"] = final_uncertainty(algorithm, result.state.server, fed)
     print("final predictive: " + ", ".join(f"{k} {v:.4f}" for k, v in summary["uncertainty"].items()
                                            if isinstance(v, float)), flush=True)
     with open(os.path.join(FLAGS.output_dir, "summary.json"), "w") as f:

@@ -4,7 +4,8 @@ from bfedjax.algorithms.fedavg import fedavg
 from bfedjax.algorithms.fedcurv import fedcurv
 from bfedjax.algorithms.fedprox import fedprox
 from bfedjax.algorithms.fola import FolaConfig, fola
+from bfedjax.algorithms.predictive import predict_proba
 
 ALGORITHMS = {"fedavg": fedavg, "fedprox": fedprox, "fedcurv": fedcurv, "fola": fola}
 
-__all__ = ["ALGORITHMS", "FolaConfig", "bfl", "fedavg", "fedcurv", "fedprox", "fola"]
+__all__ = ["ALGORITHMS", "FolaConfig", "bfl", "fedavg", "fedcurv", "fedprox", "fola", "predict_proba"]

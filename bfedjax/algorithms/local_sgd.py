@@ -109,8 +109,8 @@ def make_sgd_client(model, *, prior_fn: PriorFn | None = None, fisher: str | Non
             lam = ctx.hparams["lam"]
             grad = jax.tree.map(lambda g, t, c, p: g + lam * p * (t - c), grad, local.params, center,
                                 broadcast_precision(precision, local.params))
-        if has_batch_stats(model):  # running statistics follow the batches, never the gradient or the prior
-            grad = {**grad, "batch_stats": tree_zeros_like(grad["batch_stats"])}
+            if has_batch_stats(model):  # running statistics follow the batches, never the prior
+                grad = {**grad, "batch_stats": tree_zeros_like(grad["batch_stats"])}
         lr = ctx.hparams["lr"]
         if stateful_tx:
             updates, opt_state = tx.update(grad, local.opt_state, current)

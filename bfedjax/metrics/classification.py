@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import optax
 
 
-def _padded_batches(x, y, batch_size: int):
+def padded_batches(x, y, batch_size: int):
     """Reshapes ``x [T, ...]``, ``y [T]`` to ``[nb, b, ...]`` plus a ``[nb, b]`` mask."""
     t = y.shape[0]
     b = min(batch_size, t)
@@ -22,7 +22,7 @@ def _padded_batches(x, y, batch_size: int):
 
 def evaluate(apply_fn, params, x, y, batch_size: int = 1000):
     """Accuracy and mean cross-entropy of ``params`` on ``x [T, ...]``, ``y [T]`` (two scalars)."""
-    xb, yb, mb = _padded_batches(x, y, batch_size)
+    xb, yb, mb = padded_batches(x, y, batch_size)
 
     def one(args):
         xi, yi, mi = args

@@ -32,6 +32,7 @@ from numpyro.infer import SVI, TraceMeanField_ELBO
 from numpyro.infer.autoguide import AutoNormal
 
 from bfedjax.models.apply import apply_fn_of, has_batch_stats, needs_train_mode
+from bfedjax.models.zoo import init_params
 
 NET = "net"
 STATE = f"{NET}$state"
@@ -144,8 +145,7 @@ class MeanFieldVI:
 
     def init_posterior(self, key) -> dict:
         """Initial global posterior: loc from the Flax init (the zoo's kernels), scale ``init_scale``."""
-        variables = self.module.init(key, jnp.zeros((1,) + self.input_shape))
-        return self.posterior_from_params(dict(variables) if self.stateful else variables["params"])
+        return self.posterior_from_params(init_params(self.module, self.input_shape, key))
 
     def posterior_from_params(self, params) -> dict:
         """A posterior centred on ``params`` (wire tree): ``init_scale`` on variational leaves, 0 elsewhere."""
