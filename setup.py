@@ -20,6 +20,8 @@ setup(
         "numpy>=1.24",
         "scikit-learn>=1.3",
         "orbax-checkpoint>=0.5",
+        "dp-accounting>=0.4",  # DP-SGD's privacy accountant (bfedjax.privacy.dp)
+        "matplotlib>=3.7",  # reconstruction figures (bfedjax.privacy.save_reconstruction_png)
     ],
     extras_require={
         "tfds": ["tensorflow-datasets>=4.9.6", "array_record>=0.5"],

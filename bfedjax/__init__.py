@@ -12,8 +12,9 @@ round step.
     result = bf.simulate(algo, fed, rounds=5, key=jax.random.PRNGKey(0))
     result.metrics["global_accuracy"]
 """
-from bfedjax import algorithms, core, data, laplace, metrics, models, posteriors, vi
+from bfedjax import algorithms, core, data, laplace, metrics, models, posteriors, privacy, vi
 from bfedjax.core import Algorithm, simulate
 
 __version__ = "0.1.0"
-__all__ = ["Algorithm", "algorithms", "core", "data", "laplace", "metrics", "models", "posteriors", "simulate", "vi"]
+__all__ = ["Algorithm", "algorithms", "core", "data", "laplace", "metrics", "models", "posteriors", "privacy", "simulate",
+           "vi"]

@@ -21,10 +21,11 @@ import sys
 import numpy as np
 from absl import app, flags, logging
 
-ALGORITHMS = ("fedavg", "fedprox", "fedcurv", "fola", "bfl")
+ALGORITHMS = ("fedavg", "fedprox", "fedcurv", "fola", "bfl", "sgd", "scaffold", "fednova", "fedreg")
 DATASETS = ("digits", "mnist", "fashion_mnist", "mnist_5k", "emnist", "cifar10", "cifar100")
-PARTITIONS = ("iid", "dirichlet_per_class", "dirichlet_per_client", "shards", "power_law", "class_groups")
-MODELS = ("logistic", "mlp", "mlp_500_300", "mlp_200_200", "fola_cnn", "lenet", "resnet20")
+PARTITIONS = ("iid", "dirichlet_per_class", "dirichlet_per_client", "shards", "power_law", "single_class",
+              "class_groups")
+MODELS = ("logistic", "mlp", "mlp_500_300", "mlp_200_200", "fola_cnn", "lenet", "resnet20", "fedreg_cnn")
 
 FLAGS = flags.FLAGS
 # What to run.
@@ -43,9 +44,13 @@ flags.DEFINE_bool("fallback_to_digits", False, "If the data set cannot be had, p
 flags.DEFINE_enum("partition", "dirichlet_per_class", PARTITIONS, "How the training set is split over clients.")
 flags.DEFINE_float("alpha", 0.5, "Dirichlet concentration.")
 flags.DEFINE_integer("classes_per_client", 2, "Classes per client for shards / power_law.")
+flags.DEFINE_integer("samples_per_client", 24, "Images per client for --partition=single_class (FedReg EMNIST: 24).")
+flags.DEFINE_enum("pixels", "standardised", ("standardised", "unit"),
+                  "Input scale: standardised, or [0, 1] (FedReg's eta_s is in these units).")
 flags.DEFINE_string("class_groups", "0-4;5-9", "For --partition=class_groups: ';'-separated label ranges/lists.")
 flags.DEFINE_integer("num_clients", 20, "Clients N.")
-flags.DEFINE_list("client_weights", None, "Override pi_n = m_n/m with these N weights (e.g. 0.51,0.49).")
+flags.DEFINE_list("client_weights", None, "Override pi_n = m_n/m with these N weights (e.g. 0.51,0.49), or "
+                  "'uniform' for the unweighted cohort mean (FedReg's experiments).")
 # Rounds.
 flags.DEFINE_integer("rounds", 10, "Federated rounds R.")
 flags.DEFINE_integer("clients_per_round", None, "Cohort size K (default: all clients).")
@@ -92,7 +97,20 @@ flags.DEFINE_float("pretrain_fraction", 0.0, "Pre-train the global model before 
 flags.DEFINE_integer("pretrain_epochs", 5, "Epochs of server pre-training.")
 flags.DEFINE_bool("pretrain_disjoint", False, "Take the pre-training fraction away from the clients (default: it "
                   "may overlap their data, spec D17).")
-flags.DEFINE_enum("fedcurv_variant", "authors", ("authors", "leave_one_out"), "FedCurv form.")
+flags.DEFINE_enum("fedcurv_variant", "authors", ("authors", "leave_one_out", "previous_round"),
+                  "FedCurv form (previous_round: the FedReg authors', per-sample Fisher, no clipping).")
+flags.DEFINE_enum("fedprox_scaling", "half", ("half", "full"), "FedProx term mu/2||.||^2 (half) or mu||.||^2 (full, "
+                  "the FedReg authors' code).")
+# FedReg (and its baselines' options).
+flags.DEFINE_float("fedreg_gamma", 0.5, "FedReg: gradient taken at gamma*theta + (1-gamma)*theta_global.")
+flags.DEFINE_float("eta_s", 0.05, "FedReg: pseudo-data sign-ascent step.")
+flags.DEFINE_float("eta_p", None, "FedReg: perturbed-data step (default 0.01 * eta_s).")
+flags.DEFINE_bool("mg", False, "FedReg with MG (gradient projected off the uniform-label pseudo-data gradient).")
+flags.DEFINE_enum("fedreg_granularity", "per_batch", ("per_batch", "full_set", "per_step"), "FedReg pseudo-data unit.")
+flags.DEFINE_enum("fedreg_clamp", "batch_range", ("batch_range", "valid_range", "none"), "FedReg generation clamp.")
+flags.DEFINE_enum("scaffold_option", "II", ("II", "I"), "SCAFFOLD control-variate update.")
+flags.DEFINE_float("dp_clip", None, "DP-SGD per-example clip norm C (fedavg, fedprox, fedcurv, sgd); unset: no DP.")
+flags.DEFINE_float("dp_noise", 0.0, "DP-SGD noise multiplier sigma (std sigma*C on the clipped sum).")
 # Output.
 flags.DEFINE_string("output_dir", "/tmp/bfedjax_run", "Where metrics.jsonl, summary.json and checkpoints go.")
 flags.DEFINE_bool("resume", True, "Resume from the last checkpoint in --output_dir.")
@@ -115,6 +133,12 @@ flags.register_validator("dropout_rate", lambda v: 0 <= v < 1, message="--dropou
 flags.register_validator("lr_decay_rate", lambda v: 0 < v < 1, message="--lr_decay_rate must be in (0, 1), e.g. 0.04")
 flags.register_validator("dwc_floor_ratio", lambda v: v > 0, message="--dwc_floor_ratio must be > 0, e.g. 1.0")
 flags.register_validator("test_samples", lambda v: v >= 1, message="--test_samples must be >= 1")
+flags.register_validator("fedreg_gamma", lambda v: 0 <= v <= 1, message="--fedreg_gamma must be in [0, 1], e.g. 0.4")
+flags.register_validator("dp_noise", lambda v: v >= 0, message="--dp_noise must be >= 0, e.g. 0.01")
+flags.register_validator("dp_clip", lambda v: v is None or v > 0, message="--dp_clip must be > 0, e.g. 1.0")
+flags.register_multi_flags_validator(
+    ["dp_clip", "algorithm"], lambda f: f["dp_clip"] is None or f["algorithm"] in ("fedavg", "fedprox", "fedcurv", "sgd"),
+    message="--dp_clip (DP-SGD) works with --algorithm=fedavg, fedprox, fedcurv or sgd")
 flags.register_multi_flags_validator(
     ["optimizer", "algorithm"], lambda f: f["optimizer"] == "sgd" or f["algorithm"] == "fedavg",
     message="--optimizer=adam is for --algorithm=fedavg (bfl clients always use Adam)")
@@ -128,8 +152,9 @@ flags.register_multi_flags_validator(
     message="give --clients_per_round or --participation, not both")
 flags.register_multi_flags_validator(
     ["client_weights", "num_clients"],
-    lambda f: f["client_weights"] is None or len(f["client_weights"]) == f["num_clients"],
-    message="--client_weights needs exactly --num_clients comma-separated numbers")
+    lambda f: f["client_weights"] is None or f["client_weights"] == ["uniform"]
+    or len(f["client_weights"]) == f["num_clients"],
+    message="--client_weights needs exactly --num_clients comma-separated numbers, or 'uniform'")
 
 
 def parse_class_groups(text: str) -> list[list[int]]:
@@ -152,13 +177,13 @@ def load_dataset():
     import bfedjax as bf
     try:
         return bf.data.load(FLAGS.dataset, FLAGS.data_dir, tfds_data_dir=FLAGS.tfds_data_dir,
-                            max_train=FLAGS.max_train, max_test=FLAGS.max_test, seed=FLAGS.seed)
+                            max_train=FLAGS.max_train, max_test=FLAGS.max_test, seed=FLAGS.seed, pixels=FLAGS.pixels)
     except bf.data.DataUnavailableError as err:
         if not FLAGS.fallback_to_digits:
             raise
         print(f"NOTICE: {FLAGS.dataset} is not available here ({str(err).splitlines()[0][:200]}); "
               "falling back to scikit-learn's digits.", flush=True)
-        return bf.data.load("digits", seed=FLAGS.seed)
+        return bf.data.load("digits", seed=FLAGS.seed, pixels=FLAGS.pixels)
 
 
 def split_server_data(dataset, fraction: float, seed: int):
@@ -177,6 +202,8 @@ def make_partition(labels):
         kwargs["alpha"] = FLAGS.alpha
     elif scheme in ("shards", "power_law"):
         kwargs["classes_per_client"] = FLAGS.classes_per_client
+    elif scheme == "single_class":
+        kwargs["samples_per_client"] = FLAGS.samples_per_client
     if scheme == "class_groups":
         groups = parse_class_groups(FLAGS.class_groups)
         if len(groups) != FLAGS.num_clients:
@@ -198,10 +225,25 @@ def make_algorithm(num_classes: int, input_shape: tuple[int, ...]):
     if FLAGS.momentum:
         common["momentum"] = FLAGS.momentum
     lam = {} if FLAGS.lam is None else {"lam": FLAGS.lam}
+    dp = {"dp_clip": FLAGS.dp_clip, "dp_noise": FLAGS.dp_noise} if FLAGS.dp_clip else {}
     if FLAGS.algorithm == "fedavg":
-        return bf.algorithms.fedavg(model, optimizer=FLAGS.optimizer, **common)
+        return bf.algorithms.fedavg(model, optimizer=FLAGS.optimizer, **common, **dp)
+    if FLAGS.algorithm == "sgd":
+        return bf.algorithms.sgd(model, lr=FLAGS.lr, client_size=FLAGS.batch_size, **dp)  # resized in main()
     if FLAGS.algorithm == "fedprox":
-        return bf.algorithms.fedprox(model, **({"mu": FLAGS.lam} if FLAGS.lam is not None else {}), **common)
+        return bf.algorithms.fedprox(model, **({"mu": FLAGS.lam} if FLAGS.lam is not None else {}),
+                                     scaling=FLAGS.fedprox_scaling, **common, **dp)
+    if FLAGS.algorithm == "scaffold":
+        return bf.algorithms.scaffold(model, num_clients=FLAGS.num_clients, option=FLAGS.scaffold_option, **common)
+    if FLAGS.algorithm == "fednova":
+        return bf.algorithms.fednova(model, **common)
+    if FLAGS.algorithm == "fedreg":
+        try:
+            return bf.algorithms.fedreg(model, gamma=FLAGS.fedreg_gamma, eta_s=FLAGS.eta_s, eta_p=FLAGS.eta_p,
+                                        mg=FLAGS.mg, granularity=FLAGS.fedreg_granularity, clamp=FLAGS.fedreg_clamp,
+                                        lr=FLAGS.lr, local_epochs=FLAGS.local_epochs, batch_size=FLAGS.batch_size)
+        except ValueError as err:
+            raise app.UsageError(str(err)) from None
     if FLAGS.algorithm == "bfl":
         return bf.algorithms.bfl(model, input_shape, rule=FLAGS.rule, weighting_scheme=FLAGS.weighting,
                                  prior_update=FLAGS.prior_update, lr=FLAGS.lr, local_epochs=FLAGS.local_epochs,
@@ -209,7 +251,9 @@ def make_algorithm(num_classes: int, input_shape: tuple[int, ...]):
                                  variational_biases=FLAGS.variational_biases, train_samples=FLAGS.train_samples,
                                  dwc_guard=FLAGS.dwc_guard, dwc_floor_ratio=FLAGS.dwc_floor_ratio)
     if FLAGS.algorithm == "fedcurv":
-        return bf.algorithms.fedcurv(model, variant=FLAGS.fedcurv_variant, **lam, **common)
+        if FLAGS.fedcurv_variant == "previous_round":
+            common = {"clip_norm": None, **common, "estimator": "per_sample_sq"}
+        return bf.algorithms.fedcurv(model, variant=FLAGS.fedcurv_variant, **lam, **common, **dp)
     options = {name: getattr(FLAGS, name) for name in
                ("fisher", "normalisation", "precision_mode", "damping", "eps", "gamma", "prior_grad")
                if getattr(FLAGS, name) is not None}
@@ -262,7 +306,13 @@ def main(argv):
               f"{' (removed from the clients)' if FLAGS.pretrain_disjoint else ''}", flush=True)
     parts = make_partition(dataset.y_train)
     fed = bf.data.from_partition(dataset, parts)
-    weights = [float(w) for w in FLAGS.client_weights] if FLAGS.client_weights else None
+    if algorithm.name == "sgd":  # FedReg's SGD baseline: one step on the whole of the largest client
+        algorithm = algorithm._replace(batch_size=fed.max_n)
+    weights = FLAGS.client_weights
+    if weights and weights != ["uniform"]:
+        weights = [float(w) for w in weights]
+    elif weights:
+        weights = "uniform"
 
     os.makedirs(FLAGS.output_dir, exist_ok=True)
     checkpoints = os.path.join(FLAGS.output_dir, "checkpoints")

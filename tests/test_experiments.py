@@ -97,3 +97,30 @@ def test_bfl_rules_script_smoke(tmp_path):
     assert "Paper's grouping here" in text
     rows = json.loads(out_file.with_suffix(".json").read_text())
     assert set(rows) == {f"1 2 shards {m}" for m in ("fedavg", "mc_dropout", "wc", "nwa")}
+
+
+def test_fedreg_one_class_script_smoke(tmp_path):
+    out_file = tmp_path / "one_class.md"
+    out = subprocess.run([sys.executable, "-m", "experiments.fedreg_one_class", "--model=mlp", "--rounds=2",
+                          "--seeds=0", "--local_epochs=1", "--methods=sgd,fedavg,scaffold,fedreg",
+                          f"--results_file={out_file}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out_file.read_text()
+    for method in ("sgd", "fedavg", "scaffold", "fedreg"):
+        assert f"| {method} | " in text
+    assert "FedReg reaches R_0.5 in" in text and "projections active" in text
+    runs = json.loads(out_file.with_suffix(".json").read_text())["runs"]
+    assert len(runs) == 4 and all(len(r["accuracy"]) == 2 for r in runs)
+
+
+def test_fedreg_privacy_script_smoke(tmp_path):
+    out_file = tmp_path / "privacy.md"
+    out = subprocess.run([sys.executable, "-m", "experiments.fedreg_privacy", "--model=mlp", "--images=1",
+                          "--iterations=30", "--accuracy_rounds=1", "--local_epochs=1", f"--results_file={out_file}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out_file.read_text()
+    assert "| FedAvg |" in text and "| FedReg + MG" in text and "DP-SGD" in text
+    assert out_file.with_suffix(".png").stat().st_size > 1000
+    results = json.loads(out_file.with_suffix(".json").read_text())["results"]
+    assert results["fedavg_dp"]["epsilon"] > 0

@@ -150,3 +150,22 @@ def test_fedreg_cnn_uses_pytorch_default_bounds():
         for leaf in (params[name]["kernel"], params[name]["bias"]):
             assert float(jnp.max(jnp.abs(leaf))) <= bound
             assert float(jnp.max(jnp.abs(leaf))) > 0.8 * bound  # uniform over the whole interval
+
+
+@pytest.mark.parametrize("size,kernel,stride,padding", [(12, 3, 1, "SAME"), (11, 3, 2, "SAME"), (28, 5, 1, "VALID"),
+                                                        (9, 1, 2, "VALID"), (10, 3, 2, ((1, 1), (1, 1))),
+                                                        (13, 5, 3, "VALID")])
+def test_loop_friendly_conv_matches_lax(size, kernel, stride, padding):
+    """The custom-VJP convolution gives lax's value and both gradients (also when differentiated twice)."""
+    from jax import lax
+    from bfedjax.models.conv import conv_general_dilated as fast
+    x = jax.random.normal(jax.random.PRNGKey(0), (3, size, size, 2))
+    w = jax.random.normal(jax.random.PRNGKey(1), (kernel, kernel, 2, 4))
+    dn = lax.conv_dimension_numbers(x.shape, w.shape, ("NHWC", "HWIO", "NHWC"))
+    loss = lambda conv: lambda x, w: jnp.sum(jnp.sin(conv(x, w, (stride, stride), padding, dimension_numbers=dn)))
+    np.testing.assert_allclose(loss(fast)(x, w), loss(lax.conv_general_dilated)(x, w), rtol=1e-6)
+    for got, want in zip(jax.grad(loss(fast), argnums=(0, 1))(x, w),
+                         jax.grad(loss(lax.conv_general_dilated), argnums=(0, 1))(x, w)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    second = lambda conv: jax.grad(lambda x: jnp.sum(jax.grad(loss(conv), argnums=1)(x, w) ** 2))(x)
+    np.testing.assert_allclose(second(fast), second(lax.conv_general_dilated), rtol=1e-3, atol=1e-4)

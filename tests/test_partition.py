@@ -13,6 +13,7 @@ from bfedjax.data.partition import (
     partition,
     power_law,
     shards,
+    single_class,
 )
 
 K = 10
@@ -38,6 +39,7 @@ CASES = {
     "dirichlet_per_client": (10, {"alpha": 0.5}),
     "shards": (10, {"classes_per_client": 2}),
     "power_law": (20, {"classes_per_client": 2}),
+    "single_class": (50, {"samples_per_client": 24}),
     "class_groups": (2, {"groups": [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]}),
 }
 
@@ -287,3 +289,24 @@ def test_describe():
     assert d["num_clients"] == 4 and d["class_hist"].shape == (4, K)
     np.testing.assert_array_equal(d["class_hist"].sum(axis=1), d["sizes"])
     assert d["total"] == M and d["num_unused"] == 0 and d["num_shared"] == 0
+
+
+# ---------------------------------------------------------------------------
+# single_class (FedReg's EMNIST split: many tiny one-class clients)
+
+
+def test_single_class_tiny_one_class_clients():
+    parts = single_class(Y, 200, samples_per_client=24, seed=3)
+    _check(parts, M, 200)
+    assert {len(p) for p in parts} == {24}
+    assert {len(np.unique(Y[p])) for p in parts} == {1}
+    per_class = np.bincount([Y[p[0]] for p in parts], minlength=K)
+    assert set(per_class) == {20}  # round-robin: N/K clients per class
+
+
+def test_single_class_uneven_count_and_too_many_clients():
+    parts = single_class(Y, 13, samples_per_client=5, seed=0)
+    per_class = np.bincount([Y[p[0]] for p in parts], minlength=K)
+    assert sorted(per_class) == [1] * 7 + [2] * 3
+    with pytest.raises(ValueError, match="fix: lower num_clients"):
+        single_class(Y, 300, samples_per_client=24, seed=0)  # 30 clients x 24 > 600 per class

@@ -29,18 +29,33 @@ mean_server_update = server_update_from_stats(params_stats, mean_from_stats)
 
 
 def fedavg(model, *, lr: float = 0.01, local_epochs: int = 1, batch_size: int = 32,
-           clip_norm: float | None = 10.0, momentum: float = 0.0, optimizer: str = "sgd") -> Algorithm:
+           clip_norm: float | None = 10.0, momentum: float = 0.0, optimizer: str = "sgd",
+           dp_clip: float | None = None, dp_noise: float = 0.0, name: str = "fedavg") -> Algorithm:
     """FedAvg with local SGD (FOLA authors' baseline: clip 10, no momentum) or local Adam.
 
     With a dropout model (``models.get_model(..., dropout_rate=0.2)``) this is
     the MC-dropout baseline of Fischer et al.; ResNet-20's BatchNorm statistics
-    are averaged with the weights.
+    are averaged with the weights. ``dp_clip``/``dp_noise`` make the local
+    steps DP-SGD (``privacy.dp``).
     """
-    client_init, client_step = make_sgd_client(model, clip_norm=clip_norm, momentum=momentum, optimizer=optimizer)
+    client_init, client_step = make_sgd_client(model, clip_norm=clip_norm, momentum=momentum, optimizer=optimizer,
+                                               dp_clip=dp_clip, dp_noise=dp_noise)
     return Algorithm(
-        name="fedavg", model=model,
+        name=name, model=model,
         server_init=params_server_init, client_init=client_init, client_step=client_step,
         client_final=params_message, server_update=mean_server_update,
         global_params=lambda server: server["params"],
         local_epochs=local_epochs, batch_size=batch_size, hparams={"lr": lr, "lam": 0.0},
         client_stats=params_stats, server_from_stats=mean_from_stats)
+
+
+def sgd(model, *, lr: float = 0.1, client_size: int, dp_clip: float | None = None,
+        dp_noise: float = 0.0) -> Algorithm:
+    """The FedReg paper's "SGD" baseline: each sampled client takes one step on all its data.
+
+    FedAvg with one local epoch of one batch of ``client_size`` (>= the largest
+    client, e.g. ``FederatedData.max_n``) and no clipping; the server mean is
+    then one step along the mean of the clients' mean gradients (spec §2.9).
+    """
+    return fedavg(model, lr=lr, local_epochs=1, batch_size=client_size, clip_norm=None, dp_clip=dp_clip,
+                  dp_noise=dp_noise, name="sgd")

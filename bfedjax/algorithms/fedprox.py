@@ -1,7 +1,8 @@
 """FedProx (Li et al.): FedAvg plus the proximal term ``mu/2 ||theta - theta_S||^2``.
 
 ``mu`` is the traced hyper-parameter ``lam``. The FOLA authors ran it without
-gradient clipping, which is the default here.
+gradient clipping, which is the default here. ``scaling="full"`` gives the
+FedReg authors' ``mu ||theta - theta_S||^2`` (no 1/2; FedReg spec D14).
 """
 from __future__ import annotations
 
@@ -10,15 +11,22 @@ from bfedjax.algorithms.local_sgd import make_sgd_client
 from bfedjax.core.types import Algorithm
 
 
-def proximal_prior(ctx):
-    """Isotropic unit-precision prior centred on the global model."""
-    return ctx.server["params"], 1.0
+SCALINGS = {"half": 1.0, "full": 2.0}  # precision of the quadratic lam/2 * p * ||theta - theta_S||^2
 
 
 def fedprox(model, *, mu: float = 0.01, lr: float = 0.01, local_epochs: int = 1, batch_size: int = 32,
-            clip_norm: float | None = None, momentum: float = 0.0) -> Algorithm:
+            clip_norm: float | None = None, momentum: float = 0.0, scaling: str = "half",
+            dp_clip: float | None = None, dp_noise: float = 0.0) -> Algorithm:
+    if scaling not in SCALINGS:
+        raise ValueError(f"FedProx scaling={scaling!r}; choose one of {tuple(SCALINGS)}")
+    precision = SCALINGS[scaling]
+
+    def proximal_prior(ctx):
+        """Isotropic prior centred on the global model."""
+        return ctx.server["params"], precision
+
     client_init, client_step = make_sgd_client(model, prior_fn=proximal_prior, clip_norm=clip_norm,
-                                               momentum=momentum)
+                                               momentum=momentum, dp_clip=dp_clip, dp_noise=dp_noise)
     return Algorithm(
         name="fedprox", model=model,
         server_init=params_server_init, client_init=client_init, client_step=client_step,

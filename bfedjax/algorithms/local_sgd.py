@@ -21,12 +21,16 @@ import optax
 
 from bfedjax.core.tree import tree_zeros_like
 from bfedjax.core.types import Batch, ClientContext
-from bfedjax.laplace.fisher import ESTIMATORS, grad_and_fisher, train_mode_grad_and_fisher
+from bfedjax.laplace.fisher import (ESTIMATORS, grad_and_fisher, increment_from_batch_grad,
+                                    train_mode_grad_and_fisher)
 from bfedjax.models.apply import apply_fn_of, has_batch_stats, needs_train_mode, train_apply_fn_of
 from bfedjax.posteriors.gaussian import broadcast_precision
+from bfedjax.privacy.dp import private_gradient
 
 # prior_fn(ctx) -> (center pytree, precision pytree or scalar) or None.
 PriorFn = Callable[[ClientContext], Any]
+# correction_fn(ctx) -> pytree added to every step's gradient (SCAFFOLD: c - c_i).
+CorrectionFn = Callable[[ClientContext], Any]
 
 
 class LocalState(NamedTuple):
@@ -62,7 +66,8 @@ def direction_transform(clip_norm: float | None, momentum: float = 0.0,
 
 def make_sgd_client(model, *, prior_fn: PriorFn | None = None, fisher: str | None = None,
                     clip_norm: float | None = 10.0, momentum: float = 0.0, prior_grad: bool = True,
-                    optimizer: str = "sgd"):
+                    optimizer: str = "sgd", dp_clip: float | None = None, dp_noise: float = 0.0,
+                    correction_fn: CorrectionFn | None = None):
     """Returns ``(client_init, client_step)`` for local SGD.
 
     Args:
@@ -76,6 +81,10 @@ def make_sgd_client(model, *, prior_fn: PriorFn | None = None, fisher: str | Non
       optimizer: ``"sgd"`` or ``"adam"`` (Fischer et al. spec D7: Adam, state reset every round).
       prior_grad: False reproduces the released FOLA code, whose prior term
         is detached (it then contributes no gradient).
+      dp_clip, dp_noise: DP-SGD (``privacy.dp``): per-example clipping to ``dp_clip`` and
+        Gaussian noise of std ``dp_noise * dp_clip`` on the clipped sum, every step (the step
+        key drives the noise); the prior term is added after, un-noised. ``None``: off.
+      correction_fn: a constant added to every step's gradient (SCAFFOLD's ``c - c_i``).
     Models with BatchNorm or dropout (``models.apply``) train in training mode:
     the step key drives dropout and the BatchNorm statistics of the real rows
     update the running averages carried in ``params``.
@@ -85,11 +94,24 @@ def make_sgd_client(model, *, prior_fn: PriorFn | None = None, fisher: str | Non
         raise ValueError(f"fisher={fisher!r}; choose one of {ESTIMATORS} or None")
     apply_fn = apply_fn_of(model)
     train_apply = train_apply_fn_of(model) if needs_train_mode(model) else None
+    if dp_clip is not None:
+        if dp_clip <= 0 or dp_noise < 0:
+            raise ValueError(f"DP-SGD needs dp_clip > 0 and dp_noise >= 0, got {dp_clip}, {dp_noise}")
+        if train_apply is not None:
+            raise ValueError("DP-SGD's per-example gradients need a model without BatchNorm or dropout; "
+                             "fix: pick another model or drop dp_clip")
+        if fisher == "per_sample_sq":
+            raise ValueError("DP-SGD with fisher='per_sample_sq' would read raw per-example gradients; "
+                             "fix: use 'batch_mean_sq'")
     tx = direction_transform(clip_norm, momentum, optimizer)
     stateful_tx = bool(momentum) or optimizer != "sgd"
 
     def gradient(params, batch, count, key):
         """(grad, Fisher increment, params with updated BatchNorm statistics)."""
+        if dp_clip is not None:
+            _, grad = private_gradient(apply_fn, params, batch, key, clip_norm=dp_clip, noise_multiplier=dp_noise)
+            m = jnp.maximum(count.astype(jnp.float32), 1.0)
+            return grad, increment_from_batch_grad(grad, batch, m, fisher), params
         if train_apply is None:
             _, grad, increment = grad_and_fisher(apply_fn, params, batch, count, fisher)
             return grad, increment, params
@@ -111,6 +133,8 @@ def make_sgd_client(model, *, prior_fn: PriorFn | None = None, fisher: str | Non
                                 broadcast_precision(precision, local.params))
             if has_batch_stats(model):  # running statistics follow the batches, never the prior
                 grad = {**grad, "batch_stats": tree_zeros_like(grad["batch_stats"])}
+        if correction_fn is not None:
+            grad = jax.tree.map(jnp.add, grad, correction_fn(ctx))
         lr = ctx.hparams["lr"]
         if stateful_tx:
             updates, opt_state = tx.update(grad, local.opt_state, current)

@@ -258,8 +258,12 @@ def make_round_step(algorithm: Algorithm, config: RoundConfig, backend: str = "v
 
 def _vmapped_round(algorithm, config, state, arrays, key, hparams):
     cohort = _sample_cohort(config, arrays, key)
-    train = jax.vmap(lambda cid, k: _run_one_client(algorithm, state, arrays, hparams, cid, k))
+    one = lambda cid, k: _run_one_client(algorithm, state, arrays, hparams, cid, k)
     chunk = config.clients_per_chunk
+    if chunk == 1:  # one client at a time without a vmap: convolutions stay ungrouped (fast on CPU)
+        train = lambda ids, keys: jax.tree.map(lambda x: x[None], one(ids[0], keys[0]))
+    else:
+        train = jax.vmap(one)
     everyone = config.clients_per_round == config.num_clients == config.padded_cohort
     if everyone and chunk is None:
         # Full participation: vmap straight over the stored client axis (no gather copy).

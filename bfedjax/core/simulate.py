@@ -33,8 +33,19 @@ class SimulationResult:
         return float(max(self.metrics["global_accuracy"]))
 
 
+AGGREGATION_WEIGHTS = ("by_size", "uniform")
+
+
 def round_arrays(fed, client_weights=None) -> RoundArrays:
-    """Device copies of a ``FederatedData``; ``client_weights`` ``[N]`` overrides pi_n = m_n/m."""
+    """Device copies of a ``FederatedData``.
+
+    ``client_weights``: ``None`` or ``"by_size"`` (pi_n = m_n/m), ``"uniform"``
+    (the unweighted mean of the cohort, as FedReg's experiments), or ``[N]`` weights.
+    """
+    if isinstance(client_weights, str):
+        if client_weights not in AGGREGATION_WEIGHTS:
+            raise ValueError(f"client_weights={client_weights!r}; choose one of {AGGREGATION_WEIGHTS} or give N numbers")
+        client_weights = None if client_weights == "by_size" else np.ones(fed.num_clients, np.float32)
     weights = fed.weights if client_weights is None else np.asarray(client_weights, np.float32)
     if weights.shape != (fed.num_clients,) or np.any(weights < 0) or weights.sum() <= 0:
         raise ValueError(f"client_weights must be {fed.num_clients} non-negative numbers with a positive sum")
@@ -78,7 +89,8 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
       participation: alternatively, K = round(participation * N), sampled afresh every round.
       clients_per_chunk: train the cohort in chunks of this many clients (bounded memory).
       backend: "vmap" (one jitted round) or "sequential" (reference loop).
-      client_weights: ``[N]`` overrides pi_n = m_n/m (renormalised over each cohort).
+      client_weights: ``[N]`` overrides pi_n = m_n/m (renormalised over each cohort);
+        ``"uniform"`` gives every client the same weight (the unweighted cohort mean).
       hparams_fn: ``round -> {"lr": ..., "lam": ...}`` overrides per round (traced).
       init_params: initial model parameters (default: the model's init).
       init_server: a whole initial server state (e.g. from ``pretrain``), overriding ``init_params``.

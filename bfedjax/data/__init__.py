@@ -11,9 +11,10 @@ from bfedjax.data.partition import (
     partition,
     power_law,
     shards,
+    single_class,
 )
 from bfedjax.data.federated import FederatedData, from_partition, stack_clients
 
 __all__ = ["Dataset", "DataUnavailableError", "available", "load", "PARTITIONERS", "class_groups", "describe",
-           "dirichlet_per_class", "dirichlet_per_client", "iid", "partition", "power_law", "shards",
+           "dirichlet_per_class", "dirichlet_per_client", "iid", "partition", "power_law", "shards", "single_class",
            "FederatedData", "from_partition", "stack_clients"]

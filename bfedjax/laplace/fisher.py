@@ -48,7 +48,7 @@ def _ce_one(apply_fn, params, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(logits, y[None])[0]
 
 
-def _per_example_grads(apply_fn, params, batch: Batch):
+def per_example_grads(apply_fn, params, batch: Batch):
     """Per-example losses ``[B]`` and CE gradients (leaves ``[B, ...]``), padded rows zeroed."""
     loss_and_grad = jax.value_and_grad(lambda p, x, y: _ce_one(apply_fn, p, x, y))
     losses, grads = jax.vmap(loss_and_grad, in_axes=(None, 0, 0))(params, batch.x, batch.y)
@@ -72,16 +72,16 @@ def grad_and_fisher(apply_fn: Callable, params, batch: Batch, num_samples: jax.A
     n_batch = jnp.maximum(jnp.sum(batch.mask), 1.0)
     m = jnp.maximum(num_samples.astype(jnp.float32), 1.0)
     if estimator == "per_sample_sq":
-        losses, grads = _per_example_grads(apply_fn, params, batch)
+        losses, grads = per_example_grads(apply_fn, params, batch)
         loss = jnp.sum(losses * batch.mask) / n_batch
         grad = jax.tree.map(lambda g: jnp.sum(g, axis=0) / n_batch, grads)
         increment = jax.tree.map(lambda g: jnp.sum(jnp.square(g), axis=0) / m, grads)
         return loss, grad, increment
     loss, grad = jax.value_and_grad(masked_mean_cross_entropy, argnums=1)(apply_fn, params, batch)
-    return loss, grad, _increment_from_batch_grad(grad, batch, m, estimator)
+    return loss, grad, increment_from_batch_grad(grad, batch, m, estimator)
 
 
-def _increment_from_batch_grad(grad, batch: Batch, m, estimator: str | None):
+def increment_from_batch_grad(grad, batch: Batch, m, estimator: str | None):
     """Fisher increment of the estimators that square the batch gradient (``None`` without one)."""
     if estimator is None:
         return None
@@ -115,7 +115,7 @@ def train_mode_grad_and_fisher(train_apply: Callable, params, batch: Batch, num_
 
     (loss, updated), grad = jax.value_and_grad(loss_fn, has_aux=True)(params)
     m = jnp.maximum(num_samples.astype(jnp.float32), 1.0)
-    return loss, grad, _increment_from_batch_grad(grad, batch, m, estimator), updated
+    return loss, grad, increment_from_batch_grad(grad, batch, m, estimator), updated
 
 
 def offline_fisher(apply_fn: Callable, params, data: ClientData, batch_size: int, estimator: str = "batch_mean_sq"):

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
+from bfedjax.models.conv import conv_general_dilated as loop_friendly_conv
 from bfedjax.models.apply import has_batch_stats
 from bfedjax.models.resnet import ResNet20
 
@@ -52,7 +53,7 @@ def _dense(features: int, name: str | None = None) -> nn.Dense:
 def _conv(features: int, kernel: tuple[int, int], padding: str,
           name: str | None = None) -> nn.Conv:
     return nn.Conv(features, kernel_size=kernel, padding=padding,
-                   kernel_init=KERNEL_INIT, bias_init=BIAS_INIT, name=name)
+                   kernel_init=KERNEL_INIT, bias_init=BIAS_INIT, name=name, conv_general_dilated=loop_friendly_conv)
 
 
 def _flatten(x: jax.Array) -> jax.Array:
@@ -179,7 +180,7 @@ class FedRegCNN(nn.Module):
         def conv(x, features):
             fan_in = 25 * x.shape[-1]
             return nn.Conv(features, (5, 5), padding="VALID", kernel_init=TORCH_KERNEL_INIT,
-                           bias_init=_torch_uniform_init(fan_in))(x)
+                           bias_init=_torch_uniform_init(fan_in), conv_general_dilated=loop_friendly_conv)(x)
 
         def dense(x, features):
             return nn.Dense(features, kernel_init=TORCH_KERNEL_INIT, bias_init=_torch_uniform_init(x.shape[-1]))(x)

@@ -1,0 +1,165 @@
+"""FedReg (spec §8 identities): limits, projections, pseudo data, MG, and vmap/sequential parity."""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import bfedjax as bf
+from bfedjax.algorithms.fedreg import (clamp_bounds, project_update, remove_component, sign_ascent,
+                                       soft_cross_entropy, tree_dot)
+from bfedjax.core import RoundConfig, init_state, make_round_step
+from bfedjax.core.simulate import round_arrays, traced_hparams
+from bfedjax.models.apply import apply_fn_of
+
+
+@pytest.fixture(scope="module")
+def unit_fed():
+    """20 one-class digits clients of 12 images each, pixels in [0, 1]."""
+    ds = bf.data.load("digits", pixels="unit")
+    parts = bf.data.single_class(ds.y_train, 20, seed=0, samples_per_client=12)
+    return bf.data.from_partition(ds, parts)
+
+
+def _round(algo, fed, params, config, backend="vmap", r=1):
+    state = init_state(algo, params, fed.num_clients)
+    return make_round_step(algo, config, backend)(state, round_arrays(fed), jax.random.PRNGKey(3),
+                                                  traced_hparams(algo, r))
+
+
+def _params(model, seed=1):
+    return bf.models.zoo.init_params(model, (8, 8, 1), jax.random.PRNGKey(seed))
+
+
+def test_gamma_one_without_projections_is_fedavg(unit_fed, tiny_model):
+    params = _params(tiny_model)
+    config = RoundConfig(unit_fed.num_clients, 5)
+    reg = bf.algorithms.fedreg(tiny_model, lr=0.2, gamma=1.0, projections=False, local_epochs=2, batch_size=5)
+    avg = bf.algorithms.fedavg(tiny_model, lr=0.2, clip_norm=None, local_epochs=2, batch_size=5)
+    (reg_state, _), (avg_state, _) = _round(reg, unit_fed, params, config), _round(avg, unit_fed, params, config)
+    chex.assert_trees_all_close(reg_state.server["params"], avg_state.server["params"], rtol=1e-6, atol=1e-7)
+
+
+def test_gamma_zero_full_batch_takes_steps_along_the_global_gradient(unit_fed, tiny_model):
+    params = _params(tiny_model)
+    reg = bf.algorithms.fedreg(tiny_model, lr=0.1, gamma=0.0, projections=False, local_epochs=3, batch_size=12)
+    state, _ = _round(reg, unit_fed, params, RoundConfig(unit_fed.num_clients, unit_fed.num_clients))
+    apply_fn = apply_fn_of(tiny_model)
+    grads = [jax.grad(lambda p: jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
+        apply_fn(p, jnp.asarray(unit_fed.x[i, :12])), jnp.asarray(unit_fed.y[i, :12]))))(params)
+        for i in range(unit_fed.num_clients)]
+    mean_grad = jax.tree.map(lambda *g: sum(g) / len(g), *grads)
+    expected = jax.tree.map(lambda p, g: p - 3 * 0.1 * g, params, mean_grad)
+    chex.assert_trees_all_close(state.server["params"], expected, rtol=1e-5, atol=1e-6)
+
+
+def _random_tree(key, shapes):
+    keys = jax.random.split(key, len(shapes))
+    return {f"w{i}": jax.random.normal(k, s) for i, (k, s) in enumerate(zip(keys, shapes))}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_projections_satisfy_the_linearised_constraints(seed):
+    shapes = [(3, 2), (4,)]
+    k = jax.random.split(jax.random.PRNGKey(seed), 4)
+    theta_g, params, g_s, g_p = (_random_tree(key, shapes) for key in k)
+    out, ws, wp = project_update(params, theta_g, g_s, g_p)
+    d = jax.tree.map(jnp.subtract, out, theta_g)
+    assert float(tree_dot(d, g_p)) <= 1e-5                       # perturbed-data constraint (7)
+    if float(tree_dot(g_s, g_p)) >= 0 or float(wp) == 0:
+        assert float(tree_dot(d, g_s)) <= 1e-5                   # pseudo-data constraint (6) survives
+    first, ws_again, _ = project_update(params, theta_g, g_s, jax.tree.map(jnp.zeros_like, g_p))
+    if float(ws) > 0:                                            # the first projection is tight
+        np.testing.assert_allclose(float(tree_dot(jax.tree.map(jnp.subtract, first, theta_g), g_s)), 0.0,
+                                   atol=1e-5)
+    twice, ws2, _ = project_update(first, theta_g, g_s, jax.tree.map(jnp.zeros_like, g_p))
+    assert float(ws2) <= 1e-6                                    # idempotent
+    chex.assert_trees_all_close(twice, first, atol=1e-6)
+
+
+def test_first_projection_is_the_euclidean_projection_onto_the_half_space():
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        theta_g, params, g_s = (rng.normal(size=3).astype(np.float32) for _ in range(3))
+        out, _, _ = project_update({"w": params}, {"w": theta_g}, {"w": g_s}, {"w": np.zeros(3, np.float32)})
+        # brute force: the feasible point {x : (x - theta_g) . g_s <= 0} nearest to params on a grid + the boundary
+        grid = params + np.stack(np.meshgrid(*[np.linspace(-4, 4, 81)] * 3), -1).reshape(-1, 3)
+        feasible = grid[(grid - theta_g) @ g_s <= 0]
+        best = feasible[np.argmin(np.linalg.norm(feasible - params, axis=1))]
+        assert np.linalg.norm(np.asarray(out["w"]) - params) <= np.linalg.norm(best - params) + 1e-5
+        assert float((np.asarray(out["w"]) - theta_g) @ g_s) <= 1e-5
+
+
+def test_midpoint_rule_is_exact_for_quadratics():
+    rng = np.random.default_rng(1)
+    a = rng.normal(size=(4, 4)); a = a @ a.T
+    b, t0, t1 = (rng.normal(size=4) for _ in range(3))
+    loss = lambda t: 0.5 * t @ a @ t + b @ t + 3.0
+    midpoint_grad = a @ ((t0 + t1) / 2) + b
+    np.testing.assert_allclose(loss(t1) - loss(t0), (t1 - t0) @ midpoint_grad, rtol=1e-12)
+
+
+def test_soft_labels_make_the_global_model_stationary(digits, tiny_model):
+    params, apply_fn = _params(tiny_model), apply_fn_of(tiny_model)
+    x, y, mask = jnp.asarray(digits.x_train[:16]), jnp.asarray(digits.y_train[:16]), jnp.ones(16)
+    soft = jax.nn.softmax(apply_fn(params, x))
+    g_soft = jax.grad(lambda p: soft_cross_entropy(apply_fn(p, x), soft, mask))(params)
+    g_hard = jax.grad(lambda p: soft_cross_entropy(apply_fn(p, x), jax.nn.one_hot(y, 10), mask))(params)
+    assert float(optax.tree.norm(g_soft)) <= 1e-6 * float(optax.tree.norm(g_hard)) + 1e-7
+
+
+def test_sign_ascent_raises_a_convex_loss_and_stays_in_bounds(digits):
+    logistic = bf.models.get_model("logistic", 10)
+    params, apply_fn = bf.models.zoo.init_params(logistic, (8, 8, 1), jax.random.PRNGKey(0)), apply_fn_of(logistic)
+    x, y = jnp.asarray(digits.x_train[:8]), jnp.asarray(digits.y_train[:8])
+    ce = lambda inputs: optax.softmax_cross_entropy_with_integer_labels(apply_fn(params, inputs), y)
+    previous = ce(x)
+    for steps in range(1, 4):  # each extra step never lowers a convex loss
+        current = ce(sign_ascent(apply_fn, params, x, y, eta=0.05, steps=steps))
+        assert bool(jnp.all(current >= previous - 1e-6))
+        previous = current
+    chex.assert_trees_all_equal(sign_ascent(apply_fn, params, x, y, eta=0.0, steps=10), x)
+    eta_p = 0.0005
+    perturbed = sign_ascent(apply_fn, params, x, y, eta=eta_p, steps=10)
+    assert float(jnp.max(jnp.abs(perturbed - x))) <= 10 * eta_p + 1e-6
+    bounds = clamp_bounds(x, jnp.ones(8), "batch_range")
+    clamped = sign_ascent(apply_fn, params, x, y, eta=0.5, steps=10, bounds=bounds)
+    assert float(clamped.min()) >= float(x.min()) and float(clamped.max()) <= float(x.max())
+
+
+def test_mg_gradient_is_orthogonal_to_the_uniform_label_gradient():
+    g, u = _random_tree(jax.random.PRNGKey(0), [(5,), (2, 3)]), _random_tree(jax.random.PRNGKey(1), [(5,), (2, 3)])
+    np.testing.assert_allclose(float(tree_dot(remove_component(g, u), u)), 0.0, atol=1e-5)
+    parallel = jax.tree.map(lambda x: -2.5 * x, u)
+    chex.assert_trees_all_close(remove_component(parallel, u), jax.tree.map(jnp.zeros_like, u), atol=1e-6)
+
+
+@pytest.mark.parametrize("options", [{}, {"mg": True}, {"granularity": "per_step"}, {"granularity": "full_set"}])
+def test_fedreg_vmap_matches_sequential_and_learns(unit_fed, tiny_model, options):
+    params = _params(tiny_model)
+    algo = bf.algorithms.fedreg(tiny_model, lr=0.2, gamma=0.4, eta_s=0.05, local_epochs=2, batch_size=5,
+                                **options)
+    config = RoundConfig(unit_fed.num_clients, 4, clients_per_chunk=3)
+    vm = _round(algo, unit_fed, params, config, "vmap")
+    seq = _round(algo, unit_fed, params, config, "sequential")
+    chex.assert_trees_all_close(vm, seq, rtol=2e-5, atol=2e-6)
+    state, metrics = vm
+    assert 0.0 < float(state.server["ws_active"]) <= 1.0 and np.isfinite(float(metrics["global_loss"]))
+
+
+def test_one_class_digits_fedreg_keeps_up_with_fedavg(unit_fed, tiny_model):
+    """Spec 7d: on one-class clients FedReg's curve is finite and not far below FedAvg's."""
+    run = lambda algo: bf.simulate(algo, unit_fed, rounds=12, clients_per_round=5, key=jax.random.PRNGKey(0),
+                                   client_weights="uniform", evaluate_local=False)
+    reg = run(bf.algorithms.fedreg(tiny_model, lr=0.2, gamma=0.4, eta_s=0.05, local_epochs=3, batch_size=12))
+    avg = run(bf.algorithms.fedavg(tiny_model, lr=0.2, clip_norm=None, local_epochs=3, batch_size=12))
+    assert np.all(np.isfinite(reg.metrics["global_loss"]))
+    assert reg.best_global_accuracy >= avg.best_global_accuracy - 0.1
+
+
+def test_bad_options_raise(tiny_model):
+    with pytest.raises(ValueError, match="granularity"):
+        bf.algorithms.fedreg(tiny_model, granularity="per_epoch")
+    with pytest.raises(ValueError, match="without BatchNorm or dropout"):
+        bf.algorithms.fedreg(bf.models.get_model("mlp", 10, hidden=(8,), dropout_rate=0.2))
