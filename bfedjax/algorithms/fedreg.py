@@ -178,6 +178,9 @@ def fedreg(model, *, lr: float = 0.1, gamma: float = 0.5, eta_s: float = 0.05, e
                          "none); fix: pick e.g. --model=fedreg_cnn or mlp with dropout_rate=0")
     apply_fn = apply_fn_of(model)
 
+    def eta_p_of(hp):
+        return hp["eta_p"] if eta_p is not None else 0.01 * hp["eta_s"]
+
     def generate(params, x, y, bounds, hp):
         """(pseudo x, soft labels, perturbed x) of real rows ``x [R, ...]`` from the global model.
 
@@ -197,16 +200,12 @@ def fedreg(model, *, lr: float = 0.1, gamma: float = 0.5, eta_s: float = 0.05, e
 
     def row_bounds(batches: Batch):
         """Per-row clamp bounds ``[nb*B, 1, ...]`` of batches ``[nb, B, ...]`` (or scalars / None)."""
-        per_batch = jax.vmap(lambda x, m: clamp_bounds(x, m, clamp, valid_range))(batches.x, batches.mask) \
-            if clamp == "batch_range" else clamp_bounds(batches.x[0], batches.mask[0], clamp, valid_range)
         if clamp != "batch_range":
-            return per_batch
+            return clamp_bounds(batches.x[0], batches.mask[0], clamp, valid_range)
+        per_batch = jax.vmap(lambda x, m: clamp_bounds(x, m, clamp, valid_range))(batches.x, batches.mask)
         b = batches.x.shape[1]
         shape = (-1,) + (1,) * (batches.x.ndim - 2)
         return tuple(jnp.repeat(v, b).reshape(shape) for v in per_batch)
-
-    def eta_p_of(hp):
-        return hp["eta_p"] if eta_p is not None else 0.01 * hp["eta_s"]
 
     def client_init(ctx: ClientContext, key) -> FedRegState:
         zero = jnp.zeros((), jnp.int32)
@@ -239,9 +238,6 @@ def fedreg(model, *, lr: float = 0.1, gamma: float = 0.5, eta_s: float = 0.05, e
         """Hard-label batch-mean cross-entropy gradient (the same function as FedAvg's step)."""
         return jax.grad(masked_mean_cross_entropy, argnums=1)(apply_fn, params, batch)
 
-    def _num_classes(params, batch):
-        return jax.eval_shape(apply_fn, params, batch.x[:1]).shape[-1]
-
     def soft_grad(params, x, targets, mask):
         return jax.grad(lambda p: soft_cross_entropy(apply_fn(p, x), targets, mask))(params)
 
@@ -249,7 +245,7 @@ def fedreg(model, *, lr: float = 0.1, gamma: float = 0.5, eta_s: float = 0.05, e
         """Eq. 12: ``g - v g'`` with ``g'`` the uniform-label pseudo-data gradient at theta_gamma."""
         pseudo_x = sign_ascent(apply_fn, ctx.server["params"], batch.x, batch.y, eta=ctx.hparams["eta_s"],
                                steps=generation_steps, bounds=clamp_bounds(batch.x, batch.mask, clamp, valid_range))
-        k = _num_classes(theta_gamma, batch)
+        k = jax.eval_shape(apply_fn, theta_gamma, batch.x[:1]).shape[-1]  # number of classes
         uniform = jnp.full((batch.y.shape[0], k), 1.0 / k)
         return remove_component(grad, soft_grad(theta_gamma, pseudo_x, uniform, batch.mask))
 
