@@ -54,13 +54,13 @@ def test_uniform_weights_ignore_client_sizes(small_fed, tiny_model, tiny_params)
     lambda m: bf.algorithms.scaffold(m, num_clients=5, lr=0.1, batch_size=16, clip_norm=10.0),
     lambda m: bf.algorithms.fednova(m, lr=0.1, batch_size=16, clip_norm=10.0),
 ])
-def test_baselines_reduce_to_fedavg(make, small_fed, tiny_model, tiny_params):
+def test_baselines_reduce_to_fedavg(make, small_fed, digits, tiny_model, tiny_params):
     """FedProx mu=0, FedCurv lam=0 and SCAFFOLD's first round equal FedAvg; FedNova does for equal step counts."""
     fed = small_fed
     if make(tiny_model).name == "fednova":  # equal sizes -> equal tau
-        fed = bf.data.stack_clients(small_fed.x.reshape(-1, 8, 8, 1)[:200], small_fed.y.reshape(-1)[:200],
-                                    [np.arange(i * 40, (i + 1) * 40) for i in range(5)], x_test=small_fed.x_test,
-                                    y_test=small_fed.y_test, num_classes=10)
+        fed = bf.data.stack_clients(digits.x_train[:200], digits.y_train[:200],
+                                    [np.arange(i * 40, (i + 1) * 40) for i in range(5)], x_test=digits.x_test,
+                                    y_test=digits.y_test, num_classes=10)
     avg, _ = _run(bf.algorithms.fedavg(tiny_model, lr=0.1, batch_size=16), fed, tiny_params, RoundConfig(5, 5))
     other, _ = _run(make(tiny_model), fed, tiny_params, RoundConfig(5, 5))
     chex.assert_trees_all_close(other.server["params"], avg.server["params"], rtol=1e-5, atol=1e-6)
