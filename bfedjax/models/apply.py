@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 
 
 def has_batch_stats(model) -> bool:
