@@ -3,8 +3,9 @@
 This mirrors the papers' released PyTorch code (the FOLA authors' ``cnn_*.py``):
 per client, copy the global weights, run SGD over shuffled mini-batches with
 global-norm clipping, and (FOLA) accumulate the batch-mean squared gradient;
-then average (FedAvg) or take the precision-weighted product (FOLA). Only the
-MLP is provided. Needs the optional ``[bench]`` extra (torch).
+then average (FedAvg) or take the precision-weighted product (FOLA). Models:
+the MLP and FedReg's MNIST CNN (``models.zoo.FedRegCNN``, same layers). Needs
+the optional ``[bench]`` extra (torch).
 """
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ import time
 from typing import Sequence
 
 import numpy as np
+
+
+ALGORITHMS = ("fedavg", "fola")
+MODELS = ("mlp", "fedreg_cnn")
 
 
 def available() -> bool:
@@ -31,16 +36,41 @@ def _mlp(torch, in_dim: int, hidden: Sequence[int], num_classes: int):
     return torch.nn.Sequential(torch.nn.Flatten(), *layers)
 
 
-def time_rounds(fed, *, algorithm: str, hidden: Sequence[int], batch_size: int, local_epochs: int = 1,
-                lr: float = 0.01, lam: float = 1e3, clip_norm: float = 10.0, rounds: int = 2, seed: int = 0) -> list[float]:
+def _fedreg_cnn(torch, channels: int, num_classes: int):
+    """FedReg's CNN on NCHW input: three 5x5 VALID convs, two 2x2 max-pools, Dense 256 (228,010 params)."""
+    nn = torch.nn
+    return nn.Sequential(
+        nn.Conv2d(channels, 32, 5), nn.ReLU(),
+        nn.Conv2d(32, 32, 5), nn.MaxPool2d(2), nn.ReLU(),
+        nn.Conv2d(32, 64, 5), nn.MaxPool2d(2), nn.ReLU(),
+        nn.Flatten(), nn.Linear(576, 256), nn.ReLU(), nn.Linear(256, num_classes))
+
+
+def _client_tensors(torch, fed, n: int, model: str):
+    x, y = (torch.from_numpy(np.ascontiguousarray(a)) for a in fed.client(n))
+    if model == "fedreg_cnn":
+        x = x.permute(0, 3, 1, 2).contiguous()  # NHWC -> NCHW
+    return x, y
+
+
+def time_rounds(fed, *, algorithm: str, batch_size: int, model: str = "mlp", hidden: Sequence[int] = (200, 200),
+                local_epochs: int = 1, lr: float = 0.01, lam: float = 1e3, clip_norm: float = 10.0, rounds: int = 2,
+                seed: int = 0) -> list[float]:
     """Seconds per round of FedAvg or FOLA over all clients of ``fed`` (a ``FederatedData``)."""
     import torch
+    if algorithm not in ALGORITHMS or model not in MODELS:
+        raise ValueError(f"the PyTorch loop covers algorithms {ALGORITHMS} and models {MODELS}; "
+                         f"got {algorithm!r} on {model!r}")
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
-    model = _mlp(torch, int(np.prod(fed.input_shape)), hidden, fed.num_classes)
+    kind = model
+    if kind == "mlp":
+        model = _mlp(torch, int(np.prod(fed.input_shape)), hidden, fed.num_classes)
+    else:
+        model = _fedreg_cnn(torch, fed.input_shape[-1], fed.num_classes)
     global_params = [p.detach().clone() for p in model.parameters()]
     global_prec = [torch.zeros_like(p) for p in global_params]
-    clients = [tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in fed.client(n)) for n in range(fed.num_clients)]
+    clients = [_client_tensors(torch, fed, n, kind) for n in range(fed.num_clients)]
     weights = torch.from_numpy(fed.weights.astype(np.float32))
     loss_fn = torch.nn.CrossEntropyLoss()
     times = []

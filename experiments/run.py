@@ -64,6 +64,11 @@ flags.DEFINE_float("lam", None, "Prior weight lambda (FOLA, FedCurv) or mu (FedP
 flags.DEFINE_float("clip_norm", None, "Global-norm gradient clip; 0 disables; default per algorithm (10, FedProx none).")
 flags.DEFINE_float("momentum", 0.0, "Local SGD momentum.")
 flags.DEFINE_enum("optimizer", "sgd", ("sgd", "adam"), "fedavg: local optimiser (Fischer et al.: adam, lr 1e-3).")
+flags.DEFINE_float("weight_decay", 0.0, "fedavg: L2 penalty on dense/conv kernels (Fischer et al. D19: 1e-4 for the "
+                   "deterministic and MC-dropout baselines; the KL regularises the variational clients).")
+flags.DEFINE_enum("augment", "none", ("none", "shift_flip"), "Augment every local mini-batch inside the jitted "
+                  "round: shift_flip = random shifts of up to 10% of the width/height and horizontal flips "
+                  "(Fischer et al. D19, for CIFAR-10).")
 flags.DEFINE_enum("lr_schedule", "constant", ("constant", "exponential", "geometric", "literal"),
                   "Per-round learning rate: constant, or after --lr_decay_start rounds decayed "
                   "(exponential: lr*exp(-rate*(r-start)), Fischer et al. spec D8).")
@@ -94,7 +99,10 @@ flags.DEFINE_bool("variational_biases", False, "bfl: biases variational too (def
 flags.DEFINE_integer("train_samples", 1, "bfl: MC samples of the ELBO per step.")
 flags.DEFINE_float("pretrain_fraction", 0.0, "Pre-train the global model before round 1 on this stratified "
                    "fraction of the training set (Fischer et al.'s DWC protocol, 0.1).")
-flags.DEFINE_integer("pretrain_epochs", 5, "Epochs of server pre-training.")
+flags.DEFINE_integer("pretrain_epochs", 5, "Epochs of server pre-training (the most, with early stopping).")
+flags.DEFINE_float("pretrain_validation_fraction", 0.0, "Hold out this fraction of the pre-training data and stop "
+                   "early on its accuracy (Fischer et al. D17: 0.1); 0 trains --pretrain_epochs epochs.")
+flags.DEFINE_integer("pretrain_patience", 10, "Early stopping: epochs without a better validation accuracy.")
 flags.DEFINE_bool("pretrain_disjoint", False, "Take the pre-training fraction away from the clients (default: it "
                   "may overlap their data, spec D17).")
 flags.DEFINE_enum("fedcurv_variant", "authors", ("authors", "leave_one_out", "previous_round"),
@@ -126,6 +134,12 @@ flags.register_validator("clients_per_round", lambda v: v is None or v >= 1, mes
 flags.register_validator("participation", lambda v: v is None or 0 < v <= 1,
                          message="--participation must be in (0, 1], e.g. --participation=0.1")
 flags.register_validator("clients_per_chunk", lambda v: v is None or v >= 1, message="--clients_per_chunk must be >= 1")
+flags.register_validator("weight_decay", lambda v: v >= 0, message="--weight_decay must be >= 0, e.g. 1e-4")
+flags.register_multi_flags_validator(
+    ["weight_decay", "algorithm"], lambda f: not f["weight_decay"] or f["algorithm"] == "fedavg",
+    message="--weight_decay is for --algorithm=fedavg (the deterministic and MC-dropout baselines)")
+flags.register_validator("pretrain_validation_fraction", lambda v: 0 <= v < 1,
+                         message="--pretrain_validation_fraction must be in [0, 1), e.g. 0.1")
 flags.register_validator("pretrain_fraction", lambda v: 0 <= v < 1,
                          message="--pretrain_fraction must be in [0, 1), e.g. --pretrain_fraction=0.1")
 flags.register_validator("momentum", lambda v: 0 <= v < 1, message="--momentum must be in [0, 1)")
@@ -227,7 +241,7 @@ def make_algorithm(num_classes: int, input_shape: tuple[int, ...]):
     lam = {} if FLAGS.lam is None else {"lam": FLAGS.lam}
     dp = {"dp_clip": FLAGS.dp_clip, "dp_noise": FLAGS.dp_noise} if FLAGS.dp_clip else {}
     if FLAGS.algorithm == "fedavg":
-        return bf.algorithms.fedavg(model, optimizer=FLAGS.optimizer, **common, **dp)
+        return bf.algorithms.fedavg(model, optimizer=FLAGS.optimizer, weight_decay=FLAGS.weight_decay, **common, **dp)
     if FLAGS.algorithm == "sgd":
         return bf.algorithms.sgd(model, lr=FLAGS.lr, client_size=FLAGS.batch_size, **dp)  # resized in main()
     if FLAGS.algorithm == "fedprox":
@@ -293,16 +307,25 @@ def main(argv):
 
     dataset = load_dataset()
     algorithm = make_algorithm(dataset.num_classes, tuple(dataset.x_train.shape[1:]))
+    if FLAGS.augment != "none":
+        if dataset.x_train.ndim != 4:
+            raise app.UsageError(f"--augment={FLAGS.augment} needs image data [N, H, W, C]; {dataset.name} has "
+                                 f"shape {dataset.x_train.shape[1:]}; fix: --augment=none")
+        algorithm = bf.data.augmented(algorithm, bf.data.AUGMENTATIONS[FLAGS.augment])
     init_server = None
     if FLAGS.pretrain_fraction > 0:
         dataset, held_out = split_server_data(dataset, FLAGS.pretrain_fraction, FLAGS.seed)
         init_server = bf.core.pretrain(algorithm, dataset.x_train[held_out], dataset.y_train[held_out],
                                        epochs=FLAGS.pretrain_epochs, key=jax.random.PRNGKey(FLAGS.seed + 10_000),
-                                       num_classes=dataset.num_classes)
+                                       num_classes=dataset.num_classes,
+                                       validation_fraction=FLAGS.pretrain_validation_fraction,
+                                       patience=FLAGS.pretrain_patience)
         if FLAGS.pretrain_disjoint:
             keep = np.setdiff1d(np.arange(len(dataset.y_train)), held_out)
             dataset = dataclasses.replace(dataset, x_train=dataset.x_train[keep], y_train=dataset.y_train[keep])
-        print(f"pre-trained the server model on {len(held_out)} training samples for {FLAGS.pretrain_epochs} epochs"
+        stopping = " at most, stopping early" if FLAGS.pretrain_validation_fraction else ""
+        print(f"pre-trained the server model on {len(held_out)} training samples for {FLAGS.pretrain_epochs} "
+              f"epochs{stopping}"
               f"{' (removed from the clients)' if FLAGS.pretrain_disjoint else ''}", flush=True)
     parts = make_partition(dataset.y_train)
     fed = bf.data.from_partition(dataset, parts)

@@ -130,3 +130,34 @@ def test_pretrain_gives_a_trained_initial_server(digits, tiny_model, tiny_params
                                     x_test=digits.x_test, y_test=digits.y_test, num_classes=10)
     res = bf.simulate(algo, fed_one, rounds=1, key=jax.random.PRNGKey(0), init_server=server, evaluate_local=False)
     assert res.metrics["global_accuracy"][0] > 0.5
+
+
+def test_patience_counts_rounds_since_the_best():
+    history = [{"global_accuracy": a} for a in (0.2, 0.5, 0.4, 0.45)]
+    assert not bf.core.patience_reached(history, 3)
+    assert bf.core.patience_reached(history + [{"global_accuracy": 0.5}], 3)  # a tie is no improvement
+    assert not bf.core.patience_reached(history + [{"global_accuracy": 0.6}], 1)
+
+
+def test_early_stopped_pretraining_stops_when_validation_accuracy_stalls(digits, tiny_model, tiny_params, monkeypatch):
+    x, y = digits.x_train[:300], digits.y_train[:300]
+    frozen = bf.algorithms.fedavg(tiny_model, lr=0.0, batch_size=16)  # accuracy can never improve
+    rounds_run = []
+    original = bf.core.simulate
+
+    def counting_simulate(*args, **kwargs):
+        result = original(*args, **kwargs)
+        rounds_run.append(len(result.metrics["round"]))
+        return result
+
+    monkeypatch.setitem(original.__globals__, "simulate", counting_simulate)  # pretrain's own module
+    bf.core.pretrain(frozen, x, y, epochs=40, key=jax.random.PRNGKey(0), num_classes=10, init_params=tiny_params,
+                     validation_fraction=0.2, patience=3)
+    learning = bf.algorithms.fedavg(tiny_model, lr=0.1, batch_size=16)
+    server = bf.core.pretrain(learning, x, y, epochs=8, key=jax.random.PRNGKey(0), num_classes=10,
+                              init_params=tiny_params, validation_fraction=0.2, patience=3)
+    assert rounds_run[0] == 4  # the first epoch is the best; three more without improvement
+    acc = lambda p: float(jnp.mean(jnp.argmax(tiny_model.apply({"params": p}, digits.x_test), -1) == digits.y_test))
+    assert acc(server["params"]) > max(0.5, acc(tiny_params) + 0.2)
+    with pytest.raises(ValueError, match="validation_fraction"):
+        bf.core.pretrain(learning, x, y, epochs=2, key=jax.random.PRNGKey(0), num_classes=10, validation_fraction=1.0)

@@ -36,6 +36,16 @@ def test_server_pretraining_flag(tmp_path):
     assert "pre-trained the server model on 80 training samples for 2 epochs (removed from the clients)" in out.stdout
 
 
+def test_early_stopped_pretraining_augmentation_and_weight_decay_flags(tmp_path):
+    out = _run(*SMALL, "--algorithm=fedavg", "--optimizer=adam", "--lr=0.01", "--weight_decay=1e-4",
+               "--augment=shift_flip", "--rounds=1", "--pretrain_fraction=0.2", "--pretrain_epochs=3",
+               "--pretrain_validation_fraction=0.25", "--pretrain_patience=1", f"--output_dir={tmp_path}")
+    assert "for 3 epochs at most, stopping early" in out.stdout and "round    1  GA" in out.stdout
+    bad = _run(*SMALL, "--algorithm=bfl", "--weight_decay=1e-4", "--rounds=1", f"--output_dir={tmp_path}/b",
+               check=False)
+    assert bad.returncode != 0 and "--weight_decay is for --algorithm=fedavg" in bad.stderr
+
+
 def test_mc_dropout_schedule_and_final_uncertainty(tmp_path):
     out = _run(*SMALL, "--algorithm=fedavg", "--dropout_rate=0.2", "--optimizer=adam", "--lr=0.01",
                "--lr_schedule=exponential", "--lr_decay_start=1", "--rounds=2", "--test_samples=4",
@@ -75,8 +85,8 @@ def test_flagfiles_parse():
 
 
 def test_bench_quick_smoke(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "experiments.bench", "--only=K=10 B=10", "--rounds=1",
-                          "--backends=vmap,stepwise", "--algorithms=fedavg", "--cpu_chunk=0",
+    out = subprocess.run([sys.executable, "-m", "experiments.bench", "--only=mlp K=10 B=10", "--rounds=1",
+                          "--backends=vmap,stepwise", "--algorithms=fedavg", "--cpu_chunks=",
                           f"--output_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads((tmp_path / "bench.json").read_text())

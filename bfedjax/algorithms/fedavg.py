@@ -30,16 +30,18 @@ mean_server_update = server_update_from_stats(params_stats, mean_from_stats)
 
 def fedavg(model, *, lr: float = 0.01, local_epochs: int = 1, batch_size: int = 32,
            clip_norm: float | None = 10.0, momentum: float = 0.0, optimizer: str = "sgd",
-           dp_clip: float | None = None, dp_noise: float = 0.0, name: str = "fedavg") -> Algorithm:
+           dp_clip: float | None = None, dp_noise: float = 0.0, weight_decay: float = 0.0,
+           name: str = "fedavg") -> Algorithm:
     """FedAvg with local SGD (FOLA authors' baseline: clip 10, no momentum) or local Adam.
 
     With a dropout model (``models.get_model(..., dropout_rate=0.2)``) this is
     the MC-dropout baseline of Fischer et al.; ResNet-20's BatchNorm statistics
     are averaged with the weights. ``dp_clip``/``dp_noise`` make the local
-    steps DP-SGD (``privacy.dp``).
+    steps DP-SGD (``privacy.dp``). ``weight_decay`` adds L2 on the kernels (Fischer et al. D19: 1e-4
+    for the deterministic and MC-dropout baselines).
     """
     client_init, client_step = make_sgd_client(model, clip_norm=clip_norm, momentum=momentum, optimizer=optimizer,
-                                               dp_clip=dp_clip, dp_noise=dp_noise)
+                                               dp_clip=dp_clip, dp_noise=dp_noise, weight_decay=weight_decay)
     return Algorithm(
         name=name, model=model,
         server_init=params_server_init, client_init=client_init, client_step=client_step,

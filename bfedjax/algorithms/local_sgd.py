@@ -67,7 +67,7 @@ def direction_transform(clip_norm: float | None, momentum: float = 0.0,
 def make_sgd_client(model, *, prior_fn: PriorFn | None = None, fisher: str | None = None,
                     clip_norm: float | None = 10.0, momentum: float = 0.0, prior_grad: bool = True,
                     optimizer: str = "sgd", dp_clip: float | None = None, dp_noise: float = 0.0,
-                    correction_fn: CorrectionFn | None = None):
+                    correction_fn: CorrectionFn | None = None, weight_decay: float = 0.0):
     """Returns ``(client_init, client_step)`` for local SGD.
 
     Args:
@@ -85,6 +85,9 @@ def make_sgd_client(model, *, prior_fn: PriorFn | None = None, fisher: str | Non
         Gaussian noise of std ``dp_noise * dp_clip`` on the clipped sum, every step (the step
         key drives the noise); the prior term is added after, un-noised. ``None``: off.
       correction_fn: a constant added to every step's gradient (SCAFFOLD's ``c - c_i``).
+      weight_decay: L2 penalty ``weight_decay/2 * ||W||^2`` on every ``kernel`` leaf (dense and
+        conv weights; biases and normalisation layers are not decayed), Fischer et al. D19: 1e-4
+        for the deterministic and MC-dropout baselines.
     Models with BatchNorm or dropout (``models.apply``) train in training mode:
     the step key drives dropout and the BatchNorm statistics of the real rows
     update the running averages carried in ``params``.
@@ -103,6 +106,8 @@ def make_sgd_client(model, *, prior_fn: PriorFn | None = None, fisher: str | Non
         if fisher == "per_sample_sq":
             raise ValueError("DP-SGD with fisher='per_sample_sq' would read raw per-example gradients; "
                              "fix: use 'batch_mean_sq'")
+    if weight_decay < 0:
+        raise ValueError(f"weight_decay={weight_decay} must be >= 0, e.g. 1e-4")
     tx = direction_transform(clip_norm, momentum, optimizer)
     stateful_tx = bool(momentum) or optimizer != "sgd"
 
@@ -133,6 +138,8 @@ def make_sgd_client(model, *, prior_fn: PriorFn | None = None, fisher: str | Non
                                 broadcast_precision(precision, local.params))
             if has_batch_stats(model):  # running statistics follow the batches, never the prior
                 grad = {**grad, "batch_stats": tree_zeros_like(grad["batch_stats"])}
+        if weight_decay:
+            grad = add_kernel_decay(grad, local.params, weight_decay)
         if correction_fn is not None:
             grad = jax.tree.map(jnp.add, grad, correction_fn(ctx))
         lr = ctx.hparams["lr"]
@@ -147,6 +154,14 @@ def make_sgd_client(model, *, prior_fn: PriorFn | None = None, fisher: str | Non
         return LocalState(params, opt_state, acc, local.steps + 1)
 
     return client_init, client_step
+
+
+def add_kernel_decay(grad, params, weight_decay: float):
+    """``grad + weight_decay * W`` on leaves named ``kernel``, other leaves unchanged."""
+    def decay(path, g, w):
+        is_kernel = getattr(path[-1], "key", None) == "kernel"
+        return g + weight_decay * w if is_kernel else g
+    return jax.tree_util.tree_map_with_path(decay, grad, params)
 
 
 def clip_scale(grad, clip_norm: float | None) -> jax.Array:

@@ -1,0 +1,75 @@
+"""Mini-batch augmentation (Fischer et al. D19 shifts and flips) and kernel weight decay."""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import bfedjax as bf
+from bfedjax.algorithms.local_sgd import make_sgd_client
+from bfedjax.core import ClientContext, ClientData
+from bfedjax.core.types import Batch
+
+
+def _shifted(image, sy, sx, mirror):
+    """Reference: out[i, j] = image[clip(i - sy), clip(j - sx)], then optionally mirrored."""
+    h, w = image.shape[:2]
+    rows = np.clip(np.arange(h) - sy, 0, h - 1)
+    cols = np.clip(np.arange(w) - sx, 0, w - 1)
+    out = image[rows][:, cols]
+    return out[:, ::-1] if mirror else out
+
+
+def test_shift_flip_outputs_are_edge_filled_shifts_or_their_mirrors():
+    x = np.random.default_rng(0).normal(size=(16, 10, 10, 3)).astype(np.float32)
+    y = np.asarray(bf.data.random_shift_flip(jnp.asarray(x), jax.random.PRNGKey(3), max_shift=0.2))
+    chex.assert_shape(y, x.shape)
+    seen_mirror, seen_shift = set(), set()
+    for image, out in zip(x, y):
+        matches = [(sy, sx, m) for sy in range(-2, 3) for sx in range(-2, 3) for m in (False, True)
+                   if np.array_equal(out, _shifted(image, sy, sx, m))]
+        assert matches, "output is not a shift (<= 2 px) or mirrored shift of its input"
+        seen_mirror.add(matches[0][2])
+        seen_shift.add(matches[0][:2])
+    assert seen_mirror == {False, True} and len(seen_shift) > 3  # both branches and several shifts occur
+
+
+def test_shift_flip_without_shift_or_flip_is_the_identity():
+    x = jnp.arange(2 * 8 * 8 * 1, dtype=jnp.float32).reshape(2, 8, 8, 1)
+    chex.assert_trees_all_equal(bf.data.random_shift_flip(x, jax.random.PRNGKey(0), max_shift=0.0, flip=False), x)
+
+
+def test_shift_flip_rejects_flat_inputs_with_the_fix():
+    with pytest.raises(ValueError, match="--augment=none"):
+        bf.data.random_shift_flip(jnp.zeros((4, 64)), jax.random.PRNGKey(0))
+
+
+def test_augmented_algorithm_trains_on_augmented_batches(small_fed, tiny_model, tiny_params):
+    plain = bf.algorithms.fedavg(tiny_model, lr=0.1, batch_size=16)
+    aug = bf.data.augmented(plain, bf.data.random_shift_flip)
+    runs = [bf.core.simulate(a, small_fed, rounds=2, key=jax.random.PRNGKey(0), init_params=tiny_params,
+                             evaluate_local=False) for a in (plain, aug)]
+    p_plain, p_aug = (r.state.server["params"] for r in runs)
+    assert all(bool(jnp.all(jnp.isfinite(leaf))) for leaf in jax.tree.leaves(p_aug))
+    diff = sum(float(jnp.abs(a - b).sum()) for a, b in zip(jax.tree.leaves(p_plain), jax.tree.leaves(p_aug)))
+    assert diff > 1e-3  # the augmented batches changed the trajectory
+    identity = bf.data.augmented(plain, lambda x, key: x)  # an identity augmentation only re-splits keys
+    again = bf.core.simulate(identity, small_fed, rounds=2, key=jax.random.PRNGKey(0), init_params=tiny_params,
+                             evaluate_local=False)
+    chex.assert_trees_all_close(again.state.server["params"], p_plain, rtol=1e-5, atol=1e-6)
+
+
+def test_weight_decay_adds_l2_on_kernels_only(small_fed, tiny_model, tiny_params):
+    batch = Batch(jnp.asarray(small_fed.x[0, :16]), jnp.asarray(small_fed.y[0, :16]), jnp.ones(16))
+    ctx = ClientContext({"params": tiny_params}, (),
+                        ClientData(jnp.asarray(small_fed.x[0]), jnp.asarray(small_fed.y[0]), jnp.int32(16)),
+                        {"lr": jnp.float32(0.1), "lam": jnp.float32(0.0)})
+    stepped = []
+    for wd in (0.0, 0.5):
+        init, step = make_sgd_client(tiny_model, clip_norm=None, weight_decay=wd)
+        stepped.append(step(init(ctx, jax.random.PRNGKey(0)), batch, ctx, jax.random.PRNGKey(0)).params)
+    expected = jax.tree_util.tree_map_with_path(
+        lambda path, a, w: a - 0.1 * 0.5 * w if path[-1].key == "kernel" else a, stepped[0], tiny_params)
+    chex.assert_trees_all_close(stepped[1], expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="weight_decay"):
+        make_sgd_client(tiny_model, weight_decay=-1.0)
