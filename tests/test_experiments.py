@@ -16,6 +16,14 @@ def _run(*flags, check=True):
                           text=True, check=check, timeout=600)
 
 
+def _script(module, *flags):
+    """Runs ``python -m module flags`` from the repository root and checks it exits cleanly."""
+    out = subprocess.run([sys.executable, "-m", module, *flags], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out
+
+
 def test_run_writes_metrics_and_resumes(tmp_path):
     out = _run(*SMALL, "--algorithm=fola", "--rounds=2", f"--output_dir={tmp_path}")
     assert "round    1  GA" in out.stdout and "round    2  GA" in out.stdout
@@ -85,10 +93,8 @@ def test_flagfiles_parse():
 
 
 def test_bench_quick_smoke(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "experiments.bench", "--only=mlp K=10 B=10", "--rounds=1",
-                          "--backends=vmap,stepwise", "--algorithms=fedavg", "--cpu_chunks=",
-                          f"--output_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
+    _script("experiments.bench", "--only=mlp K=10 B=10", "--rounds=1", "--backends=vmap,stepwise",
+            "--algorithms=fedavg", "--cpu_chunks=", f"--output_dir={tmp_path}")
     report = json.loads((tmp_path / "bench.json").read_text())
     assert {r["backend"] for r in report["rows"]} == {"vmap", "stepwise"}
     assert all(r["round_s"] > 0 and r["samples_per_s"] > 0 for r in report["rows"])
@@ -97,10 +103,8 @@ def test_bench_quick_smoke(tmp_path):
 
 def test_bfl_rules_script_smoke(tmp_path):
     out_file = tmp_path / "rules.md"
-    out = subprocess.run([sys.executable, "-m", "experiments.bfl_rules", "--seeds=0,1", "--settings=1:2",
-                          "--partitions=shards", "--rules=wc,nwa", "--hidden=8", f"--results_file={out_file}"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
+    _script("experiments.bfl_rules", "--seeds=0,1", "--settings=1:2", "--partitions=shards", "--rules=wc,nwa",
+            "--hidden=8", f"--results_file={out_file}")
     text = out_file.read_text()
     for method in ("fedavg", "mc_dropout", "wc", "nwa"):
         assert f"| {method} | " in text
@@ -111,10 +115,8 @@ def test_bfl_rules_script_smoke(tmp_path):
 
 def test_fedreg_one_class_script_smoke(tmp_path):
     out_file = tmp_path / "one_class.md"
-    out = subprocess.run([sys.executable, "-m", "experiments.fedreg_one_class", "--model=mlp", "--rounds=2",
-                          "--seeds=0", "--local_epochs=1", "--methods=sgd,fedavg,scaffold,fedreg",
-                          f"--results_file={out_file}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
+    _script("experiments.fedreg_one_class", "--model=mlp", "--rounds=2", "--seeds=0", "--local_epochs=1",
+            "--methods=sgd,fedavg,scaffold,fedreg", f"--results_file={out_file}")
     text = out_file.read_text()
     for method in ("sgd", "fedavg", "scaffold", "fedreg"):
         assert f"| {method} | " in text
@@ -125,10 +127,8 @@ def test_fedreg_one_class_script_smoke(tmp_path):
 
 def test_fedreg_privacy_script_smoke(tmp_path):
     out_file = tmp_path / "privacy.md"
-    out = subprocess.run([sys.executable, "-m", "experiments.fedreg_privacy", "--model=mlp", "--images=1",
-                          "--iterations=30", "--accuracy_rounds=1", "--local_epochs=1", f"--results_file={out_file}"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
+    _script("experiments.fedreg_privacy", "--model=mlp", "--images=1", "--iterations=30", "--accuracy_rounds=1",
+            "--local_epochs=1", f"--results_file={out_file}")
     text = out_file.read_text()
     assert "| FedAvg |" in text and "| FedReg + MG" in text and "DP-SGD" in text
     assert out_file.with_suffix(".png").stat().st_size > 1000

@@ -17,5 +17,5 @@ from bfedjax.data.federated import FederatedData, from_partition, stack_clients
 from bfedjax.data.augment import AUGMENTATIONS, augmented, random_shift_flip
 
 __all__ = ["Dataset", "DataUnavailableError", "available", "load", "PARTITIONERS", "class_groups", "describe",
-           "dirichlet_per_class", "AUGMENTATIONS", "augmented", "random_shift_flip", "dirichlet_per_client", "iid", "partition", "power_law", "shards", "single_class",
-           "FederatedData", "from_partition", "stack_clients"]
+           "dirichlet_per_class", "dirichlet_per_client", "iid", "partition", "power_law", "shards", "single_class",
+           "FederatedData", "from_partition", "stack_clients", "AUGMENTATIONS", "augmented", "random_shift_flip"]
