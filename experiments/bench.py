@@ -1,17 +1,19 @@
 r"""Benchmark: the vmapped round against the stepwise loop, a PyTorch loop and the matmul ceiling.
 
     python -m experiments.bench                 # quick mode (< 10 min on 2 CPU cores)
-    python -m experiments.bench --noquick       # adds K = 1000 and more timed rounds
+    python -m experiments.bench --noquick       # adds K = 1000, the unchunked skewed splits and
+                                                # the variational/FedReg clients at K = 10 and B = 50
 
 For every configuration and algorithm it times whole rounds (after one
 compile/warm-up round; the fastest of ``--rounds`` timed rounds, since a shared
 machine only ever adds time) of
   * vmap     - the library: one jitted round, clients under vmap,
   * vmap/cN  - the same jitted round in chunks of N clients (``--cpu_chunks``; uniform
-               configurations); ``vmap/c1`` runs the clients one after another inside
-               the round without a vmap (the fast choice for convolutions on CPU),
+               configurations, CPU only); ``vmap/c1`` runs the clients one after another
+               inside the round without a vmap (the fast choice for convolutions on CPU),
   * stepwise - one jitted step per client per batch (FedJAX's default design),
-  * torch    - a PyTorch loop over clients like the papers' code (needs torch),
+  * torch    - a PyTorch loop over clients like the papers' code (needs torch; on the
+               GPU when torch sees one),
 and reports the round time, client-samples per second, achieved FLOP/s
 (training FLOPs on real samples, from XLA's cost analysis of the model,
 divided by the round time; for the variational and FedReg clients this
@@ -19,8 +21,13 @@ counts only the deterministic model's training FLOPs, so their "% of peak"
 understates the work done), the compiled round's memory (XLA memory analysis),
 the aggregation's share of a round and the padded-work ratio (and, in the
 JSON, the process's peak RSS so far, which only grows). The measured
-dense-matmul FLOP/s of the machine is the ceiling. Writes ``bench.json`` and
-``bench.md`` into ``--output_dir``.
+dense-matmul FLOP/s of the machine is the ceiling (float32 at the backend's
+default matmul precision, the precision the models train at). Writes
+``bench.json`` and ``bench.md`` into ``--output_dir``.
+
+The same command runs unchanged on a GPU (``pip install -U "jax[cuda12]"``): chunk
+variants and the CPU-only skips are dropped there, and the targets checked are the GPU
+one (vmap at least 20x the stepwise loop at K = 1000, which needs ``--noquick``).
 """
 from __future__ import annotations
 
@@ -34,20 +41,24 @@ import time
 from absl import app, flags, logging
 
 from experiments import bench_torch
+from experiments.bench_report import check_targets, markdown
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("quick", True, "Quick mode: fewer configurations, and the variational and FedReg clients "
                   "on fewer of them.")
-flags.DEFINE_integer("rounds", None, "Timed rounds per measurement, the fastest reported (default 3).")
+flags.DEFINE_integer("rounds", None, "Timed rounds per measurement, the fastest reported (default 3; in quick "
+                     "mode 1 for the variational and FedReg clients and at K = 3400).")
 flags.DEFINE_list("algorithms", ["fedavg", "fola", "bfl", "fedreg"],
                   "Algorithms to time (each configuration lists which of them it runs).")
 flags.DEFINE_list("backends", ["vmap", "stepwise", "torch"], "Backends to time.")
 flags.DEFINE_list("only", None, "Run only configurations whose name contains one of these strings.")
 flags.DEFINE_integer("samples_per_client", 100, "Samples per client in the uniform configurations "
                      "(100: whole batches at B = 10 and 50).")
-flags.DEFINE_list("cpu_chunks", ["1", "2", "5"], "Also time the round in chunks of these many clients on uniform "
-                  "configurations (smaller working set: faster on CPU caches); empty skips them.")
-flags.DEFINE_string("output_dir", "results/bench", "Where bench.json and bench.md go.")
+flags.DEFINE_list("cpu_chunks", ["1", "2", "5"], "On a CPU, also time the round in chunks of these many clients on "
+                  "uniform configurations (smaller working set: faster on CPU caches); empty skips them.")
+flags.DEFINE_string("output_dir", "results/bench", "Where bench.json and bench.md go (rewritten after every row).")
+flags.DEFINE_bool("resume", False, "Keep the rows of --output_dir/bench.json (a run cut off on the same machine) "
+                  "and time only the missing ones.")
 
 
 @dataclasses.dataclass
@@ -62,27 +73,34 @@ class Config:
     algorithms: tuple = ("fedavg", "fola")
     samples_per_client: int | None = None  # None: --samples_per_client
     chunks: tuple | None = None  # chunk sizes timed as vmap/cN; None: --cpu_chunks
-    skip: tuple = ()             # (algorithm, backend) pairs not timed (hours on a CPU)
+    cpu_skip: tuple = ()         # (algorithm, backend) pairs not timed on a CPU (grouped convs: very slow)
+    rounds: int | None = None    # timed rounds; None: --rounds
 
 
 ALL_CLIENTS = ("fedavg", "fola", "bfl", "fedreg")
 
 
 def configurations(quick: bool) -> list[Config]:
+    """The benchmarked configurations; quick mode keeps those the targets need (K = 10 and 100)."""
     heavy = (lambda k, b: k == 100 and b == 10) if quick else (lambda k, b: k <= 100)  # + variational, FedReg
     grid = [Config(f"mlp K={k} B={b}", "uniform", k, b, algorithms=ALL_CLIENTS if heavy(k, b) else ("fedavg", "fola"))
-            for k in (10, 100, 1000) for b in (10, 50) if not (quick and k == 1000 and b == 10)]
+            for k in ((10, 100) if quick else (10, 100, 1000)) for b in (10, 50)]
+    # The unchunked skewed splits show what padding every client to the largest costs (about 3x
+    # the real work); their stepwise and torch rows repeat the chunked configurations'.
+    unchunked = [] if quick else [Config("fmnist dir0.01 N=20 B=32 unchunked", "dirichlet", 20, 32),
+                                  Config("power-law N=100 B=10 unchunked", "power_law", 100, 10)]
     return grid + [
         # Convolutions under a client vmap become grouped convolutions, slow on XLA:CPU: on a CPU
         # the CNN's library rows that matter are vmap/c1 (clients in turn inside the jitted round).
         Config("fedreg_cnn K=10 B=10", "uniform", 10, 10, model="fedreg_cnn", algorithms=ALL_CLIENTS,
                samples_per_client=20 if quick else 100, chunks=(1,),
-               skip=(("bfl", "vmap"), ("fedreg", "vmap")) if quick else ()),
-        Config("fmnist dir0.01 N=20 B=32 unchunked", "dirichlet", 20, 32),
+               cpu_skip=(("bfl", "vmap"), ("fedreg", "vmap")) if quick else ()),
+        *unchunked,
         Config("fmnist dir0.01 N=20 B=32 chunks of 2", "dirichlet", 20, 32, 2),
-        Config("power-law N=100 B=10 unchunked", "power_law", 100, 10),
         Config("power-law N=100 B=10 chunks of 4", "power_law", 100, 10, 4),
-        Config("mlp K=3400 B=10 chunks of 10", "uniform", 3400, 10, 10, library_only=True),
+        # The memory target is read off the compiled round; one timed round is enough in quick mode.
+        Config("mlp K=3400 B=10 chunks of 10", "uniform", 3400, 10, 10, library_only=True,
+               rounds=1 if quick else None),
     ]
 
 
@@ -124,8 +142,10 @@ def federate(data, config: Config):
                                  y_test=data.y_test[:1000], num_classes=10, name=data.name)
 
 
-def matmul_peak_flops(n: int = 1024, repeats: int = 10) -> float:
+def matmul_peak_flops(n: int | None = None, repeats: int = 10) -> float:
+    """FLOP/s of an n x n float32 matrix product (n = 1024 on a CPU, 8192 on an accelerator)."""
     import jax
+    n = n or (1024 if jax.default_backend() == "cpu" else 8192)
     a = jax.random.normal(jax.random.PRNGKey(0), (n, n))
     b = jax.random.normal(jax.random.PRNGKey(1), (n, n))
     f = jax.jit(lambda a, b: a @ b)
@@ -161,9 +181,11 @@ def time_library(algorithm, fed, config: Config, backend: str, rounds: int) -> d
     state, arrays = init_state(algorithm, params, fed.num_clients), round_arrays(fed)
     step = make_round_step(algorithm, round_config, backend)
     out = {}
-    if backend == "vmap":
-        lowered = step.lower(state, arrays, jax.random.PRNGKey(0), traced_hparams(algorithm, 1))
-        mem = lowered.compile().memory_analysis()
+    if backend == "vmap":  # compile once, ahead of time: the executable gives the memory analysis and runs
+        start = time.perf_counter()
+        step = step.lower(state, arrays, jax.random.PRNGKey(0), traced_hparams(algorithm, 1)).compile()
+        out["compile_only_s"] = time.perf_counter() - start
+        mem = step.memory_analysis()
         if mem is not None:
             out["memory_mb"] = (mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes) / 2**20
     times = []
@@ -171,7 +193,7 @@ def time_library(algorithm, fed, config: Config, backend: str, rounds: int) -> d
         hp = traced_hparams(algorithm, r + 1)
         t = _timed(lambda: jax.block_until_ready(step(state, arrays, jax.random.PRNGKey(r), hp)))
         times.append(t)
-    out["compile_s"] = times[0]
+    out["compile_s"] = times[0] + out.get("compile_only_s", 0.0)  # compile + first (warm-up) round
     out["round_s"] = min(times[1:])
     return out
 
@@ -202,8 +224,10 @@ def main(argv):
 
     rounds = FLAGS.rounds or 3
     data = load_images()
-    peak = matmul_peak_flops()
+    rows, peak = previous_rows(os.path.join(FLAGS.output_dir, "bench.json")) if FLAGS.resume else ([], None)
+    peak = peak or matmul_peak_flops()
     device = jax.devices()[0]
+    on_cpu = device.platform == "cpu"
     machine = {"platform": device.platform, "device": str(device.device_kind), "cpu_count": os.cpu_count(),
                "processor": platform.processor() or platform.machine(), "jax": jax.__version__}
     print(f"machine: {machine}; matmul peak {peak / 1e9:.1f} GFLOP/s; data: {data.name}", flush=True)
@@ -213,7 +237,7 @@ def main(argv):
         backends.remove("torch")
     models, flops = {}, {}
 
-    rows = []
+    done = {(r["config"], r["algorithm"], r["backend"]) for r in rows}
     for config in configurations(FLAGS.quick):
         if FLAGS.only and not any(s in config.name for s in FLAGS.only):
             continue
@@ -227,16 +251,20 @@ def main(argv):
         for name in [a for a in config.algorithms if a in FLAGS.algorithms]:
             algorithm = make_algorithm(name, model, fed.input_shape, config.batch_size)
             agg_s = time_aggregation(algorithm, fed)
-            for backend in variants_of(config, name, backends):
+            # quick mode: one timed round of the variational and FedReg clients (no target reads them)
+            timed_rounds = config.rounds or (1 if FLAGS.quick and name not in bench_torch.ALGORITHMS else rounds)
+            for backend in variants_of(config, name, backends, on_cpu):
+                if (config.name, name, backend) in done:
+                    continue
                 if backend == "torch":
                     times = bench_torch.time_rounds(fed, algorithm=name, model=config.model, hidden=(200, 200),
-                                                    batch_size=config.batch_size, rounds=rounds + 1)
+                                                    batch_size=config.batch_size, rounds=timed_rounds + 1)
                     result = {"compile_s": times[0], "round_s": min(times[1:])}
                 elif backend.startswith("vmap/c"):
                     chunked = dataclasses.replace(config, clients_per_chunk=int(backend[len("vmap/c"):]))
-                    result = time_library(algorithm, fed, chunked, "vmap", rounds)
+                    result = time_library(algorithm, fed, chunked, "vmap", timed_rounds)
                 else:
-                    result = time_library(algorithm, fed, config, backend, rounds)
+                    result = time_library(algorithm, fed, config, backend, timed_rounds)
                 result.update(config=config.name, algorithm=name, backend=backend, clients=fed.num_clients,
                               batch_size=config.batch_size, padded_work_ratio=ratio if backend.startswith("vmap") else 1.0,
                               samples_per_s=real_samples / result["round_s"],
@@ -248,22 +276,42 @@ def main(argv):
                 print(f"{config.name:38s} {name:7s} {backend:9s} round {result['round_s']:8.3f}s  "
                       f"{result['samples_per_s']:10.0f} samples/s  {result['gflops']:6.1f} GFLOP/s "
                       f"({100 * result['peak_fraction']:4.1f}% of peak)", flush=True)
+                write_report(machine, peak, data.name, rows)  # after every row: a cut-off run keeps its rows
+    print("\n" + write_report(machine, peak, data.name, rows))
 
+
+def previous_rows(path: str) -> tuple[list[dict], float | None]:
+    """Rows and matmul peak (FLOP/s) of an earlier run on this device, for --resume."""
+    import jax
+    if not os.path.exists(path):
+        return [], None
+    with open(path) as f:
+        report = json.load(f)
+    kind = str(jax.devices()[0].device_kind)
+    if report["machine"]["device"] != kind:
+        raise SystemExit(f"--resume: {path} was measured on {report['machine']['device']!r}, this is {kind!r}; "
+                         "pass another --output_dir or drop --resume")
+    print(f"resuming: {len(report['rows'])} rows kept from {path}", flush=True)
+    return report["rows"], report["matmul_peak_gflops"] * 1e9
+
+
+def write_report(machine: dict, peak: float, data_name: str, rows: list[dict]) -> str:
+    """Writes bench.json and bench.md for the rows so far into --output_dir; returns the markdown."""
     os.makedirs(FLAGS.output_dir, exist_ok=True)
-    report = {"machine": machine, "matmul_peak_gflops": peak / 1e9, "data": data.name, "rows": rows,
-              "targets": check_targets(rows)}
+    report = {"machine": machine, "matmul_peak_gflops": peak / 1e9, "data": data_name, "rows": rows,
+              "targets": check_targets(rows, machine["platform"])}
     with open(os.path.join(FLAGS.output_dir, "bench.json"), "w") as f:
         json.dump(report, f, indent=1)
     text = markdown(report)
     with open(os.path.join(FLAGS.output_dir, "bench.md"), "w") as f:
         f.write(text)
-    print("\n" + text)
+    return text
 
 
-def variants_of(config: Config, algorithm: str, backends: list[str]) -> list[str]:
-    """The backends timed for one configuration and algorithm, chunked variants after ``vmap``."""
+def variants_of(config: Config, algorithm: str, backends: list[str], on_cpu: bool = True) -> list[str]:
+    """The backends timed for one configuration and algorithm, chunked variants (CPU only) after ``vmap``."""
     variants = list(backends)
-    chunks = [int(c) for c in (config.chunks or FLAGS.cpu_chunks) if int(c) < config.num_clients]
+    chunks = [int(c) for c in (config.chunks or FLAGS.cpu_chunks) if int(c) < config.num_clients] if on_cpu else []
     if FLAGS.quick and algorithm not in bench_torch.ALGORITHMS:
         chunks = [c for c in chunks if c == 1]  # variational / FedReg: compiles take minutes; c1 only
     if "vmap" in variants and config.partition == "uniform" and not config.clients_per_chunk:
@@ -273,69 +321,7 @@ def variants_of(config: Config, algorithm: str, backends: list[str]) -> list[str
         variants = [b for b in variants if b.startswith("vmap")]
     if "torch" in variants and (config.clients_per_chunk or algorithm not in bench_torch.ALGORITHMS):
         variants.remove("torch")  # chunking is a library notion; torch covers the papers' FedAvg and FOLA loops
-    return [b for b in variants if (algorithm, b) not in config.skip]
-
-
-def _find(rows, config, algorithm, backend):
-    """The row of ``backend``; for "vmap", the fastest library variant (plain or chunked)."""
-    found = [r for r in rows if r["config"] == config and r["algorithm"] == algorithm
-             and (r["backend"] == backend or (backend == "vmap" and r["backend"].startswith("vmap")))]
-    return min(found, key=lambda r: r["round_s"]) if found else None
-
-
-def check_targets(rows) -> list[dict]:
-    """Issue 3's CPU targets, evaluated on this run's rows (missing measurements are skipped)."""
-    out = []
-
-    def add(name, value, goal, met):
-        out.append({"target": name, "value": value, "goal": goal, "met": bool(met)})
-
-    for other, goal in (("stepwise", 2.0), ("torch", 2.0)):
-        v, o = _find(rows, "mlp K=100 B=10", "fedavg", "vmap"), _find(rows, "mlp K=100 B=10", "fedavg", other)
-        if v and o:
-            add(f"vmap speed-up over {other}, K=100 B=10 (FedAvg)", o["round_s"] / v["round_s"], f">= {goal}x",
-                o["round_s"] / v["round_s"] >= goal)
-    v = _find(rows, "mlp K=100 B=50", "fedavg", "vmap")
-    if v:
-        add("fraction of matmul peak, MLP K=100 B=50", v["peak_fraction"], ">= 0.5", v["peak_fraction"] >= 0.5)
-    for config in ("mlp K=100 B=10", "mlp K=100 B=50"):
-        a, f = _find(rows, config, "fedavg", "vmap"), _find(rows, config, "fola", "vmap")
-        if a and f:
-            ratio = f["round_s"] / a["round_s"]
-            add(f"FOLA round / FedAvg round, {config} (fastest library variant of each)", ratio, "<= 1.3x", ratio <= 1.3)
-    shares = [r["aggregation_share"] for r in rows
-              if r["aggregation_share"] is not None and r["config"] == "mlp K=100 B=10" and r["backend"] == "vmap"]
-    if shares:
-        add("aggregation share of a round, K=100 B=10 (worst algorithm)", max(shares), "<= 0.05", max(shares) <= 0.05)
-    big = [r for r in rows if r["config"] == "mlp K=3400 B=10 chunks of 10" and r.get("memory_mb")]
-    if big:
-        worst = max(r["memory_mb"] for r in big)
-        add("compiled round memory, K=3400 in chunks of 10 (worst algorithm)", worst / 1024, "<= 4 GB", worst <= 4096)
-    for config in ("fmnist dir0.01 N=20 B=32 chunks of 2", "power-law N=100 B=10 chunks of 4"):
-        v, s = _find(rows, config, "fola", "vmap"), _find(rows, config, "fola", "stepwise")
-        if v:
-            add(f"padded-work ratio, {config}", v["padded_work_ratio"], "<= 1.25", v["padded_work_ratio"] <= 1.25)
-        if v and s:
-            add(f"vmap speed-up over stepwise, {config} (FOLA)", s["round_s"] / v["round_s"], ">= 1.5x",
-                s["round_s"] / v["round_s"] >= 1.5)
-    return out
-
-
-def markdown(report) -> str:
-    m = report["machine"]
-    lines = [f"Machine: {m['platform']} ({m['device']}), {m['cpu_count']} cores, jax {m['jax']}; "
-             f"measured matmul peak {report['matmul_peak_gflops']:.1f} GFLOP/s; data {report['data']}.", "",
-             "| configuration | algorithm | backend | round (s) | samples/s | GFLOP/s | % of peak | memory (MB) | aggregation share | padded work |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in report["rows"]:
-        mem = f"{r['memory_mb']:.0f}" if r.get("memory_mb") else "-"
-        agg = f"{100 * r['aggregation_share']:.1f}%" if r["aggregation_share"] is not None else "-"
-        lines.append(f"| {r['config']} | {r['algorithm']} | {r['backend']} | {r['round_s']:.3f} | {r['samples_per_s']:.0f} | "
-                     f"{r['gflops']:.1f} | {100 * r['peak_fraction']:.1f} | {mem} | {agg} | {r['padded_work_ratio']:.2f} |")
-    lines += ["", "| target | value | goal | met |", "|---|---|---|---|"]
-    for t in report["targets"]:
-        lines.append(f"| {t['target']} | {t['value']:.3g} | {t['goal']} | {'yes' if t['met'] else 'no'} |")
-    return "\n".join(lines) + "\n"
+    return [b for b in variants if not (on_cpu and (algorithm, b) in config.cpu_skip)]
 
 
 if __name__ == "__main__":

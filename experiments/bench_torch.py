@@ -4,7 +4,8 @@ This mirrors the papers' released PyTorch code (the FOLA authors' ``cnn_*.py``):
 per client, copy the global weights, run SGD over shuffled mini-batches with
 global-norm clipping, and (FOLA) accumulate the batch-mean squared gradient;
 then average (FedAvg) or take the precision-weighted product (FOLA). Models:
-the MLP and FedReg's MNIST CNN (``models.zoo.FedRegCNN``, same layers). Needs
+the MLP and FedReg's MNIST CNN (``models.zoo.FedRegCNN``, same layers). Runs on
+the GPU when torch sees one (each round ends with a synchronisation). Needs
 the optional ``[bench]`` extra (torch).
 """
 from __future__ import annotations
@@ -46,8 +47,8 @@ def _fedreg_cnn(torch, channels: int, num_classes: int):
         nn.Flatten(), nn.Linear(576, 256), nn.ReLU(), nn.Linear(256, num_classes))
 
 
-def _client_tensors(torch, fed, n: int, model: str):
-    x, y = (torch.from_numpy(np.ascontiguousarray(a)) for a in fed.client(n))
+def _client_tensors(torch, fed, n: int, model: str, device):
+    x, y = (torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in fed.client(n))
     if model == "fedreg_cnn":
         x = x.permute(0, 3, 1, 2).contiguous()  # NHWC -> NCHW
     return x, y
@@ -63,15 +64,17 @@ def time_rounds(fed, *, algorithm: str, batch_size: int, model: str = "mlp", hid
                          f"got {algorithm!r} on {model!r}")
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     kind = model
     if kind == "mlp":
         model = _mlp(torch, int(np.prod(fed.input_shape)), hidden, fed.num_classes)
     else:
         model = _fedreg_cnn(torch, fed.input_shape[-1], fed.num_classes)
+    model = model.to(device)
     global_params = [p.detach().clone() for p in model.parameters()]
     global_prec = [torch.zeros_like(p) for p in global_params]
-    clients = [_client_tensors(torch, fed, n, kind) for n in range(fed.num_clients)]
-    weights = torch.from_numpy(fed.weights.astype(np.float32))
+    clients = [_client_tensors(torch, fed, n, kind, device) for n in range(fed.num_clients)]
+    weights = fed.weights.astype(np.float32)
     loss_fn = torch.nn.CrossEntropyLoss()
     times = []
     for r in range(1, rounds + 1):
@@ -85,7 +88,7 @@ def time_rounds(fed, *, algorithm: str, batch_size: int, model: str = "mlp", hid
             fisher = [prec.clone() for prec in global_prec]
             m = len(y)
             for _ in range(local_epochs):
-                order = torch.from_numpy(rng.permutation(m))
+                order = torch.from_numpy(rng.permutation(m)).to(device)
                 for i in range(0, m, batch_size):
                     idx = order[i:i + batch_size]
                     model.zero_grad(set_to_none=True)
@@ -103,7 +106,7 @@ def time_rounds(fed, *, algorithm: str, batch_size: int, model: str = "mlp", hid
                             p.add_(p.grad, alpha=-lr)
             with torch.no_grad():
                 for k, p in enumerate(model.parameters()):
-                    w = weights[n] * (fisher[k] if algorithm == "fola" else 1.0)
+                    w = float(weights[n]) * (fisher[k] if algorithm == "fola" else 1.0)
                     sum_w[k] += w if algorithm == "fola" else torch.full_like(p, float(w))
                     sum_wx[k] += w * p
         with torch.no_grad():
@@ -111,5 +114,7 @@ def time_rounds(fed, *, algorithm: str, batch_size: int, model: str = "mlp", hid
             global_params = [wx / (w + eps) for wx, w in zip(sum_wx, sum_w)]
             if algorithm == "fola":
                 global_prec = sum_w
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return times

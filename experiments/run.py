@@ -97,6 +97,9 @@ flags.DEFINE_bool("prior_update", False, "bfl: clients use the global posterior 
 flags.DEFINE_float("prior_scale", 10.0, "bfl: std of the N(0, s^2) weight prior.")
 flags.DEFINE_bool("variational_biases", False, "bfl: biases variational too (default: point estimates).")
 flags.DEFINE_integer("train_samples", 1, "bfl: MC samples of the ELBO per step.")
+flags.DEFINE_enum("vi_estimator", "flipout", ["flipout", "reparameterization"],
+                  "bfl: gradient estimator of the expected log-likelihood (Flipout: per-example sign-flipped "
+                  "kernel noise, spec D21; reparameterization: one weight sample per batch).")
 flags.DEFINE_float("pretrain_fraction", 0.0, "Pre-train the global model before round 1 on this stratified "
                    "fraction of the training set (Fischer et al.'s DWC protocol, 0.1).")
 flags.DEFINE_integer("pretrain_epochs", 5, "Epochs of server pre-training (the most, with early stopping).")
@@ -263,7 +266,7 @@ def make_algorithm(num_classes: int, input_shape: tuple[int, ...]):
                                  prior_update=FLAGS.prior_update, lr=FLAGS.lr, local_epochs=FLAGS.local_epochs,
                                  batch_size=FLAGS.batch_size, prior_scale=FLAGS.prior_scale,
                                  variational_biases=FLAGS.variational_biases, train_samples=FLAGS.train_samples,
-                                 dwc_guard=FLAGS.dwc_guard, dwc_floor_ratio=FLAGS.dwc_floor_ratio)
+                                 estimator=FLAGS.vi_estimator, dwc_guard=FLAGS.dwc_guard, dwc_floor_ratio=FLAGS.dwc_floor_ratio)
     if FLAGS.algorithm == "fedcurv":
         if FLAGS.fedcurv_variant == "previous_round":
             common = {"clip_norm": None, **common, "estimator": "per_sample_sq"}

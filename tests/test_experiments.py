@@ -92,13 +92,39 @@ def test_flagfiles_parse():
             FLAGS.unparse_flags()
 
 
-def test_bench_quick_smoke(tmp_path):
-    _script("experiments.bench", "--only=mlp K=10 B=10", "--rounds=1", "--backends=vmap,stepwise",
-            "--algorithms=fedavg", "--cpu_chunks=", f"--output_dir={tmp_path}")
+def test_bench_quick_smoke_and_resume(tmp_path):
+    flags = ["--only=mlp K=10 B=10", "--rounds=1", "--algorithms=fedavg", "--cpu_chunks=", f"--output_dir={tmp_path}"]
+    _script("experiments.bench", "--backends=vmap", *flags)
+    first = json.loads((tmp_path / "bench.json").read_text())
+    # A resumed run keeps the rows already measured and times only the missing backend.
+    out = _script("experiments.bench", "--backends=vmap,stepwise", "--resume", *flags)
+    assert "resuming: 1 rows kept" in out.stdout
     report = json.loads((tmp_path / "bench.json").read_text())
-    assert {r["backend"] for r in report["rows"]} == {"vmap", "stepwise"}
+    assert [r["backend"] for r in report["rows"]] == ["vmap", "stepwise"]
+    assert report["rows"][0] == first["rows"][0]
     assert all(r["round_s"] > 0 and r["samples_per_s"] > 0 for r in report["rows"])
     assert "| mlp K=10 B=10 | fedavg | vmap |" in (tmp_path / "bench.md").read_text()
+
+
+def test_bench_targets_follow_the_platform():
+    from experiments import bench_report as bench
+
+    def row(config, algorithm, backend, round_s):
+        return {"config": config, "algorithm": algorithm, "backend": backend, "round_s": round_s,
+                "aggregation_share": None, "peak_fraction": 0.1, "padded_work_ratio": 1.0}
+
+    rows = [row("mlp K=1000 B=50", "fedavg", "vmap", 0.1), row("mlp K=1000 B=50", "fedavg", "stepwise", 1.5),
+            row("mlp K=100 B=10", "fedavg", "vmap/c1", 0.5), row("mlp K=100 B=10", "fedavg", "stepwise", 1.5)]
+    on_cpu = {t["target"]: t for t in bench.check_targets(rows, "cpu")}
+    on_gpu = {t["target"]: t for t in bench.check_targets(rows, "gpu")}
+    k100 = "vmap speed-up over stepwise, K=100 B=10 (FedAvg)"
+    assert on_cpu[k100]["met"] is True and on_cpu[k100]["value"] == pytest.approx(3.0)  # fastest variant: vmap/c1
+    assert on_gpu[k100]["met"] is None and "CPU goal" in on_gpu[k100]["goal"]
+    k1000 = "vmap speed-up over stepwise, mlp K=1000 B=50 (fedavg)"
+    assert k1000 not in on_cpu and on_gpu[k1000]["met"] is False  # 15x < 20x
+    assert "| n/a |" in bench.markdown({"machine": {"platform": "gpu", "device": "x", "cpu_count": 1, "jax": "0"},
+                                        "matmul_peak_gflops": 1.0, "data": "d", "rows": [],
+                                        "targets": list(on_gpu.values())})
 
 
 def test_bfl_rules_script_smoke(tmp_path):

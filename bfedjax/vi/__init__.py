@@ -1,4 +1,5 @@
-"""Mean-field variational inference on NumPyro for federated clients."""
-from bfedjax.vi.meanfield import MeanFieldConfig, MeanFieldVI
+"""Mean-field variational inference on NumPyro for federated clients (Flipout or reparameterisation)."""
+from bfedjax.vi.flipout import flipout_apply, flipout_interceptor
+from bfedjax.vi.meanfield import ESTIMATORS, MeanFieldConfig, MeanFieldVI
 
-__all__ = ["MeanFieldConfig", "MeanFieldVI"]
+__all__ = ["ESTIMATORS", "MeanFieldConfig", "MeanFieldVI", "flipout_apply", "flipout_interceptor"]
