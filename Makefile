@@ -31,7 +31,7 @@ iv-e: install data
 	  --output_dir=$(OUT)/iv_e --results_file=results/fola_iv_e_two_clients.md \
 	  --title="FOLA Sec. IV-E: two clients, disjoint class halves, pi_1=0.51"
 
-# Fischer et al. rules + deterministic and MC-dropout FedAvg on digits -> results/bfl_rules_digits.md (about 20 min)
+# Fischer et al. rules + deterministic and MC-dropout FedAvg on digits -> results/bfl_rules_digits.md (about 30 min)
 bfl-rules: install
 	$(PYTHON) -m experiments.bfl_rules
 
