@@ -5,7 +5,7 @@ OUT ?= out
 .PHONY: install install-dev demo test iv-e bfl-rules bfl-rules-fmnist fedreg-one-class fedreg-privacy data
 
 install:
-	$(PYTHON) -m pip install -q -e .
+	$(PYTHON) -m pip install -q -e '.[experiments]'
 
 install-dev:
 	$(PYTHON) -m pip install -q -e '.[dev]'

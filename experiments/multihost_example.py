@@ -37,7 +37,7 @@ def main(argv):
     print(f"process {jax.process_index()}: {jax.local_device_count()} local of {jax.device_count()} devices",
           flush=True)
     result = bf.simulate(algo, fed, rounds=FLAGS.rounds, key=jax.random.PRNGKey(0), mesh=mesh,
-                         evaluate_local=False, diagnostics=False)
+                         evaluate_local=False)
     print(f"process {jax.process_index()}: GA per round {result.metrics['global_accuracy']}", flush=True)
     jax.distributed.shutdown()
 

@@ -9,6 +9,7 @@ import numpy as np  # noqa: E402
 
 import bfedjax as bf  # noqa: E402
 from bfedjax.core.sharding import client_mesh  # noqa: E402
+from readme_example import run_readme_code  # noqa: E402  (tests/ is this script's folder)
 
 assert jax.device_count() == 8, jax.devices()
 data = bf.data.load("digits")
@@ -21,6 +22,8 @@ cases = {
     "fola_everyone": (bf.algorithms.fola(model, lr=0.1, lam=10.0, batch_size=16), {}),
     "fedavg_sampled": (bf.algorithms.fedavg(model, lr=0.1, batch_size=16), {"clients_per_round": 3}),
     "fedcurv_loo": (bf.algorithms.fedcurv(model, lr=0.1, batch_size=16, variant="leave_one_out"), {}),
+    "scaffold_sampled": (bf.algorithms.scaffold(model, num_clients=5, lr=0.1, batch_size=16), {"clients_per_round": 3}),
+    "readme_fedavg_momentum": (run_readme_code(definition_only=True)["fedavg_momentum"](model), {"clients_per_chunk": 2}),
 }
 for name, (algo, kwargs) in cases.items():
     run = lambda m: bf.simulate(algo, fed, rounds=2, key=jax.random.PRNGKey(0), mesh=m, **kwargs)

@@ -172,22 +172,43 @@ def test_rules_are_elementwise_and_permutation_invariant_on_trees():
         P.aggregate("median", q, w)
 
 
-def test_zero_weight_padding_clients_are_ignored():
+def test_masked_padding_slots_are_ignored():
     q, w = _clients(8, k=4)
-    padded_q = jax.tree.map(lambda x: jnp.concatenate([x, x[:2]]), q)
-    padded_w = jnp.concatenate([w, jnp.zeros(2)])
+    padded_q = jax.tree.map(lambda x: jnp.concatenate([x, x[:2] + 5.0]), q)
+    padded_w = jnp.concatenate([w, jnp.full(2, 0.3)])  # even a weight on a padding slot never counts
+    mask = jnp.array([1.0, 1.0, 1.0, 1.0, 0.0, 0.0])
     for name in sorted(P.RULES):
-        chex.assert_trees_all_close(P.aggregate(name, padded_q, padded_w), P.aggregate(name, q, w), rtol=1e-12)
+        chex.assert_trees_all_close(P.aggregate(name, padded_q, padded_w, mask=mask), P.aggregate(name, q, w),
+                                    rtol=1e-12)
+    prior = DiagGaussian(q.mean[0], jnp.full(7, 1e-3))
+    chex.assert_trees_all_close(P.aggregate("dwc", padded_q, padded_w, mask=mask, prior=prior),
+                                P.aggregate("dwc", q, w, prior=prior), rtol=1e-12)
+
+
+def test_a_real_client_with_zero_weight_still_counts_where_weights_do_not():
+    """Conflation and DWC's K count real clients (mask), not positive weights."""
+    q, w = _clients(11, k=4)
+    zero = w.at[3].set(0.0)
+    chex.assert_trees_all_close(P.conflation(q, zero), P.conflation(q, w), rtol=1e-12)  # weights ignored
+    three = jax.tree.map(lambda x: x[:3], q)
+    assert not np.allclose(P.conflation(q, zero).precision, P.conflation(three, zero[:3]).precision)
+    prior = DiagGaussian(q.mean[0], jnp.full(7, 1e-3))
+    k4 = P.distributed_weight_consolidation(q, zero, prior, guard="none")[0].precision
+    k3 = P.distributed_weight_consolidation(three, zero[:3], prior, guard="none")[0].precision
+    np.testing.assert_allclose(k4 - k3, q.precision[3] - prior.precision, rtol=1e-8)  # K = 4, not 3
+    # weighted rules: a zero-weight real client changes nothing
+    for name in ("nwa", "ws", "lp", "wc", "llp"):
+        chex.assert_trees_all_close(P.aggregate(name, q, zero), P.aggregate(name, three, zero[:3]), rtol=1e-12)
 
 
 def test_weightings():
     q, _ = _clients(9, k=4)
     g = jax.tree.map(lambda x: x[0] * 0.9, q)
-    for w in (weighting.equal(4), weighting.train_size(jnp.array([5, 1, 3, 2])), weighting.max_discrepancy(q),
+    for w in (weighting.uniform(4), weighting.by_size(jnp.array([5, 1, 3, 2])), weighting.max_discrepancy(q),
               weighting.max_discrepancy(q, literal=True), weighting.distance(q, g)):
         assert np.all(np.isfinite(w)) and np.all(w > 0)
         np.testing.assert_allclose(jnp.sum(w), 1.0, rtol=1e-12)
-    np.testing.assert_allclose(weighting.train_size(jnp.array([3, 3, 3, 3])), weighting.equal(4), rtol=1e-12)
+    np.testing.assert_allclose(weighting.by_size(jnp.array([3, 3, 3, 3])), weighting.uniform(4), rtol=1e-12)
     same = jax.tree.map(lambda x: jnp.broadcast_to(x[0], x.shape), q)
     np.testing.assert_allclose(weighting.max_discrepancy(same), jnp.full(4, 0.25), rtol=1e-12)
     np.testing.assert_allclose(weighting.distance(same, jax.tree.map(lambda x: x[0], q)), jnp.full(4, 0.25), rtol=1e-12)

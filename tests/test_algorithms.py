@@ -45,9 +45,9 @@ def test_fola_with_equal_precisions_is_fedavg(small_fed, tiny_model, tiny_params
     avg_msgs, fola_msgs = stack(avg_msgs), stack(fola_msgs)
     chex.assert_trees_all_close(avg_msgs["params"], fola_msgs["params"], rtol=1e-6)
     fola_msgs["precision"] = jax.tree.map(lambda p: jnp.full_like(p, 2.5), fola_msgs["precision"])
-    w = jnp.asarray(small_fed.weights)
-    chex.assert_trees_all_close(fola.server_update(None, fola_msgs, w, None)["params"],
-                                avg.server_update(None, avg_msgs, w, None)["params"], rtol=1e-5, atol=1e-7)
+    w, mask, key = jnp.asarray(small_fed.weights), jnp.ones(small_fed.num_clients), jax.random.PRNGKey(0)
+    chex.assert_trees_all_close(fola.aggregate(None, fola_msgs, w, mask, None, key)[0]["params"],
+                                avg.aggregate(None, avg_msgs, w, mask, None, key)[0]["params"], rtol=1e-5, atol=1e-7)
 
 
 def test_fola_round_one_differs_from_fedavg_only_through_aggregation(small_fed, tiny_model, tiny_params):
@@ -69,17 +69,24 @@ def test_detached_prior_equals_lambda_zero(small_fed, tiny_model, tiny_params):
                                 _one_round(zero, small_fed, tiny_params, r=2, state=s2)[0])
 
 
-def test_prior_gradient_is_lambda_precision_times_offset(tiny_params):
+def test_the_local_step_adds_lambda_precision_times_offset(small_fed, tiny_model, tiny_params):
+    """One local SGD step with a prior moves theta by -lr * (g + lam * precision * (theta - center))."""
+    from bfedjax.algorithms.local_sgd import make_sgd_client
     center = jax.tree.map(lambda p: p + 0.3, tiny_params)
     precision = jax.tree.map(lambda p: jnp.abs(p) + 0.5, tiny_params)
-    grad = jax.grad(lambda t: 7.0 * quadratic_penalty(t, center, precision))(tiny_params)
-    chex.assert_trees_all_close(grad, jax.tree.map(lambda p, c, t: 7.0 * p * (t - c), precision, center, tiny_params),
+    init, step = make_sgd_client(tiny_model, prior_fn=lambda ctx: (center, precision), clip_norm=None)
+    plain_init, plain_step = make_sgd_client(tiny_model, clip_norm=None)
+    data = _client(small_fed, 0)
+    batch = bf.core.Batch(data.x[:16], data.y[:16], jnp.ones(16))
+    ctx = ClientContext({"params": tiny_params}, (), data, {"lr": jnp.float32(0.1), "lam": jnp.float32(7.0)})
+    with_prior = step(init(ctx, None), batch, ctx, jax.random.PRNGKey(0)).params
+    without = plain_step(plain_init(ctx, None), batch, ctx, jax.random.PRNGKey(0)).params
+    pull = jax.tree.map(lambda p, c, t: 7.0 * p * (t - c), precision, center, tiny_params)
+    chex.assert_trees_all_close(jax.tree.map(lambda a, b: (b - a) / 0.1, with_prior, without), pull, rtol=1e-4,
+                                atol=1e-6)
+    # the same pull is the gradient of lam * quadratic_penalty, the prior's loss (FOLA Eq. 15)
+    chex.assert_trees_all_close(jax.grad(lambda t: 7.0 * quadratic_penalty(t, center, precision))(tiny_params), pull,
                                 rtol=1e-6)
-    zero = jax.grad(lambda t: quadratic_penalty(t, center, precision))(center)
-    chex.assert_trees_all_close(zero, jax.tree.map(jnp.zeros_like, zero))
-    # FedProx is the unit-precision case.
-    np.testing.assert_allclose(quadratic_penalty(tiny_params, center, 1.0),
-                               quadratic_penalty(tiny_params, center, jax.tree.map(jnp.ones_like, center)), rtol=1e-6)
 
 
 @pytest.mark.parametrize("epochs", [1, 3])
@@ -87,7 +94,7 @@ def test_fisher_estimators_at_frozen_weights(small_fed, tiny_model, tiny_params,
     """lr = 0: batch_mean_sq with B = 1 is the per-sample Fisher (Eq. 21), E-fold over E epochs."""
     n = 0
     data = _client(small_fed, n)
-    apply_fn = bf.core.apply_fn_of(tiny_model)
+    apply_fn = bf.models.apply_fn_of(tiny_model)
     eq21 = offline_fisher(apply_fn, tiny_params, data, 8, "per_sample_sq")
 
     def fisher_of(**options):
@@ -120,13 +127,42 @@ def test_running_sum_and_running_average_share_the_mean(small_fed, tiny_model, t
                                 rtol=1e-4, atol=1e-12)
 
 
-def test_offline_fisher_variant_and_options_run(small_fed, tiny_model, tiny_params):
-    for options in ({"fisher": "offline"}, {"fisher": "alg1_raw", "normalisation": "mean_over_steps"},
-                    {"profile": "paper"}, {"gamma": 1.0, "damping": 1e-3}):
-        algo = bf.algorithms.fola(tiny_model, lr=0.1, lam=1.0, batch_size=16, **options)
-        res = bf.simulate(algo, small_fed, rounds=2, key=jax.random.PRNGKey(0), init_params=tiny_params,
+def test_fisher_options_at_frozen_weights(small_fed, tiny_model, tiny_params):
+    """lr = 0 keeps every client at theta_0, so each option's round-1 precision has a closed form."""
+    apply_fn = bf.models.apply_fn_of(tiny_model)
+    pi = small_fed.weights
+
+    def precision_after_one_round(batch_size=16, **options):
+        algo = bf.algorithms.fola(tiny_model, lr=0.0, lam=1.0, batch_size=batch_size, **options)
+        res = bf.simulate(algo, small_fed, rounds=1, key=jax.random.PRNGKey(0), init_params=tiny_params,
                           evaluate_local=False)
-        assert np.all(np.isfinite(res.metrics["global_loss"])), options
+        return res.state.server["precision"]
+
+    def pooled(per_client):
+        return jax.tree.map(lambda *fs: sum(w * f for w, f in zip(pi, fs)), *per_client)
+
+    offline = lambda estimator: [offline_fisher(apply_fn, tiny_params, _client(small_fed, n), 16, estimator)
+                                 for n in range(small_fed.num_clients)]
+    # "offline": one pass at the final (= initial) weights, pooled with the clients' weights
+    chex.assert_trees_all_close(precision_after_one_round(fisher="offline"), pooled(offline("batch_mean_sq")),
+                                rtol=1e-4, atol=1e-10)
+    # the paper's profile (per-sample Fisher, 1/T per epoch, running average): Eq. 21 at theta_0
+    chex.assert_trees_all_close(precision_after_one_round(profile="paper"), pooled(offline("per_sample_sq")),
+                                rtol=1e-4, atol=1e-10)
+    # damping adds delta to every client's Fisher, so delta to the pooled precision (weights sum to 1)
+    base = precision_after_one_round()
+    chex.assert_trees_all_close(precision_after_one_round(damping=1e-3), jax.tree.map(lambda p: p + 1e-3, base),
+                                rtol=1e-5, atol=1e-9)
+    # alg1_raw with mean_over_steps and one whole-client batch: the squared full-data gradient
+    def squared_gradient(n):
+        data = _client(small_fed, n)
+        batch = bf.core.Batch(data.x, data.y, (jnp.arange(data.y.shape[0]) < data.count).astype(jnp.float32))
+        return jax.tree.map(jnp.square, jax.grad(bf.losses.masked_mean_cross_entropy, argnums=1)(
+            apply_fn, tiny_params, batch))
+    chex.assert_trees_all_close(
+        precision_after_one_round(small_fed.max_n, fisher="alg1_raw", normalisation="mean_over_steps",
+                                  clip_norm=None),
+        pooled([squared_gradient(n) for n in range(small_fed.num_clients)]), rtol=2e-4, atol=1e-10)
 
 
 def test_fedcurv_leave_one_out_bookkeeping(small_fed, tiny_model, tiny_params):

@@ -28,8 +28,8 @@ def _client_grad(apply_fn, params, fed, i):
     return jax.grad(lambda p: jnp.mean(optax.softmax_cross_entropy_with_integer_labels(apply_fn(p, x), y)))(params)
 
 
-def test_sgd_baseline_is_one_step_along_the_mean_client_gradient(small_fed, tiny_model, tiny_params):
-    algo = bf.algorithms.sgd(tiny_model, lr=0.3, client_size=small_fed.max_n)
+def test_fedsgd_is_one_step_along_the_mean_client_gradient(small_fed, tiny_model, tiny_params):
+    algo = bf.algorithms.fedsgd(tiny_model, lr=0.3, client_size=small_fed.max_n)
     state, _ = _run(algo, small_fed, tiny_params, RoundConfig(5, 5), weights="uniform")
     grads = [_client_grad(apply_fn_of(tiny_model), tiny_params, small_fed, i) for i in range(5)]
     expected = jax.tree.map(lambda p, *g: p - 0.3 * sum(g) / 5, tiny_params, *grads)
@@ -49,8 +49,7 @@ def test_uniform_weights_ignore_client_sizes(small_fed, tiny_model, tiny_params)
 
 @pytest.mark.parametrize("make", [
     lambda m: bf.algorithms.fedprox(m, mu=0.0, lr=0.1, batch_size=16, clip_norm=10.0, scaling="full"),
-    lambda m: bf.algorithms.fedcurv(m, lam=0.0, lr=0.1, batch_size=16, variant="previous_round",
-                                    estimator="per_sample_sq"),
+    lambda m: bf.algorithms.fedcurv(m, lam=0.0, lr=0.1, batch_size=16, variant="previous_round", clip_norm=10.0),
     lambda m: bf.algorithms.scaffold(m, num_clients=5, lr=0.1, batch_size=16, clip_norm=10.0),
     lambda m: bf.algorithms.fednova(m, lr=0.1, batch_size=16, clip_norm=10.0),
 ])
@@ -74,22 +73,38 @@ def test_fedprox_full_scaling_doubles_the_proximal_pull(small_fed, tiny_model, t
     chex.assert_trees_all_close(a.server, b.server, rtol=1e-5, atol=1e-7)
 
 
-def test_fedcurv_previous_round_penalty_gradient():
-    """grad lam * sum(theta^2 A - 2 theta B) == grad lam * sum_i F_i (theta - theta_i)^2 (spec identity 12)."""
+def test_fedcurv_previous_round_penalty_gradient(small_fed, tiny_model, tiny_params):
+    """The local step's prior (precision 2A, centre B/A) pulls like grad lam * sum_i F_i (theta - theta_i)^2."""
     rng = np.random.default_rng(0)
-    fishers, thetas = rng.uniform(0, 2, (3, 6)), rng.normal(size=(3, 6))
-    a, b = fishers.sum(0), (fishers * thetas).sum(0)
-    theta, lam = rng.normal(size=6), 0.7
-    by_clients = jax.grad(lambda t: lam * jnp.sum(fishers * (t - thetas) ** 2))(theta)
-    center = np.where(a > 0, b / a, 0.0)
-    library_form = lam * (2 * a) * (theta - center)  # what the local step adds: lam * precision * (theta - centre)
-    np.testing.assert_allclose(library_form, by_clients, rtol=1e-6)
+    fishers = [jax.tree.map(lambda p: jnp.asarray(rng.uniform(0, 2, p.shape), jnp.float32), tiny_params)
+               for _ in range(3)]
+    thetas = [jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), tiny_params)
+              for _ in range(3)]
+    server = {"params": tiny_params,
+              "fisher_sum": jax.tree.map(lambda *f: sum(f), *fishers),
+              "weighted_sum": jax.tree.map(lambda *ft: sum(f * t for f, t in zip(ft[:3], ft[3:])), *fishers, *thetas)}
+    algo = bf.algorithms.fedcurv(tiny_model, lr=0.1, batch_size=16, variant="previous_round", clip_norm=None)
+    data = bf.core.ClientData(jnp.asarray(small_fed.x[0]), jnp.asarray(small_fed.y[0]), jnp.int32(small_fed.counts[0]))
+    batch = Batch(data.x[:16], data.y[:16], jnp.ones(16))
+
+    def step(lam):
+        ctx = bf.core.ClientContext(server, (), data, traced_hparams(algo, 2, {"lam": lam}))
+        return algo.client_step(algo.client_init(ctx, jax.random.PRNGKey(0)), batch, ctx, jax.random.PRNGKey(1)).params
+
+    pull = jax.tree.map(lambda a, b: (b - a) / 0.1, step(0.7), step(0.0))
+
+    def penalty(theta):  # lam * sum_i F_i (theta - theta_i)^2, summed over every coordinate
+        terms = [jax.tree.map(lambda f, t, c: jnp.sum(f * (t - c) ** 2), fishers[i], theta, thetas[i])
+                 for i in range(3)]
+        return 0.7 * sum(sum(jax.tree.leaves(term)) for term in terms)
+
+    chex.assert_trees_all_close(pull, jax.grad(penalty)(tiny_params), rtol=2e-3, atol=2e-4)
 
 
 def test_fedcurv_previous_round_sums_the_last_cohorts_fishers(small_fed, tiny_model, tiny_params):
     """With lr = 0 every theta_i is theta, so A is a sum of per-sample Fishers at theta over the cohort."""
     algo = bf.algorithms.fedcurv(tiny_model, lam=1e-3, lr=0.0, batch_size=16, variant="previous_round",
-                                 estimator="per_sample_sq", clip_norm=None)
+                                 fisher="per_sample_sq", clip_norm=None)
     apply_fn = apply_fn_of(tiny_model)
     fishers = [bf.laplace.offline_fisher(apply_fn, tiny_params, bf.core.ClientData(
         jnp.asarray(small_fed.x[i]), jnp.asarray(small_fed.y[i]), jnp.asarray(small_fed.counts[i])), 16,
@@ -167,10 +182,18 @@ def test_dp_clipping_bounds_every_example_and_reduces_to_sgd(digits, tiny_model,
     assert 1.8 < leaves.std() < 2.2
 
 
-def test_dp_fedavg_trains_and_reports_epsilon(small_fed, tiny_model, tiny_params):
-    algo = bf.algorithms.fedavg(tiny_model, lr=0.1, batch_size=16, clip_norm=None, dp_clip=1.0, dp_noise=0.5)
-    state, metrics = _run(algo, small_fed, tiny_params, RoundConfig(5, 5), rounds=2)
-    assert np.isfinite(float(metrics["global_loss"]))
+def test_dp_fedavg_reduces_to_fedavg_matches_the_reference_and_reports_epsilon(small_fed, tiny_model, tiny_params):
+    config = RoundConfig(5, 3, clients_per_chunk=2)
+    plain, _ = _run(bf.algorithms.fedavg(tiny_model, lr=0.1, batch_size=16, clip_norm=None), small_fed, tiny_params,
+                    config)
+    no_privacy, _ = _run(bf.algorithms.fedavg(tiny_model, lr=0.1, batch_size=16, clip_norm=None, dp_clip=1e9,
+                                              dp_noise=0.0), small_fed, tiny_params, config)
+    chex.assert_trees_all_close(no_privacy.server, plain.server, rtol=1e-5, atol=1e-7)
+    noisy = bf.algorithms.fedavg(tiny_model, lr=0.1, batch_size=16, clip_norm=None, dp_clip=1.0, dp_noise=0.5)
+    vmapped = _run(noisy, small_fed, tiny_params, config, rounds=2)
+    sequential = _run(noisy, small_fed, tiny_params, config, rounds=2, backend="sequential")
+    chex.assert_trees_all_close(vmapped, sequential, rtol=2e-5, atol=2e-6)  # the noise keys follow the clients
+    assert not np.allclose(vmapped[0].server["params"]["Dense_0"]["kernel"], plain.server["params"]["Dense_0"]["kernel"])
     eps = bf.privacy.client_epsilon(0.5, batch_size=16, client_size=100, local_epochs=1, participations=2,
                                     delta=1e-5)
     assert 0 < eps < np.inf
@@ -179,3 +202,11 @@ def test_dp_fedavg_trains_and_reports_epsilon(small_fed, tiny_model, tiny_params
     assert bf.privacy.dp_epsilon(0.0, 0.1, 10, 1e-5) == np.inf
     with pytest.raises(ValueError, match="without BatchNorm or dropout"):
         bf.algorithms.fedavg(bf.models.get_model("mlp", 10, hidden=(8,), dropout_rate=0.2), dp_clip=1.0)
+
+
+def test_fednova_vmap_matches_sequential(small_fed, tiny_model, tiny_params):
+    algo = bf.algorithms.fednova(tiny_model, lr=0.1, batch_size=16, momentum=0.5)
+    config = RoundConfig(5, 3, clients_per_chunk=2)
+    chex.assert_trees_all_close(_run(algo, small_fed, tiny_params, config, rounds=2),
+                                _run(algo, small_fed, tiny_params, config, rounds=2, backend="sequential"),
+                                rtol=2e-5, atol=2e-6)

@@ -29,9 +29,9 @@ def test_posterior_svi_param_round_trip(vi_model):
     np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rule,weighting", [("wc", "train_size"), ("lp", "max_discrepancy")])
+@pytest.mark.parametrize("rule,weighting", [("wc", "by_size"), ("lp", "max_discrepancy")])
 def test_variational_round_vmap_matches_sequential(rule, weighting, small_fed, vi_model):
-    algo = bf.algorithms.bfl(vi_model, small_fed.input_shape, rule=rule, weighting_scheme=weighting, lr=1e-2,
+    algo = bf.algorithms.bfl(vi_model, small_fed.input_shape, rule=rule, weighting=weighting, lr=1e-2,
                              batch_size=16)
     params = vi_model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8, 8, 1)))["params"]
     config = RoundConfig(num_clients=5, clients_per_round=3, clients_per_chunk=2)
@@ -62,4 +62,4 @@ def test_bad_rule_and_weighting(vi_model):
     with pytest.raises(ValueError, match="rule"):
         bf.algorithms.bfl(vi_model, (8, 8, 1), rule="median")
     with pytest.raises(ValueError, match="weighting"):
-        bf.algorithms.bfl(vi_model, (8, 8, 1), weighting_scheme="loss")
+        bf.algorithms.bfl(vi_model, (8, 8, 1), weighting="loss")

@@ -14,4 +14,9 @@ def test_notebook_runs(path):
     code = "\n".join(line for line in code.splitlines() if not line.lstrip().startswith(("!", "%")))
     namespace = {}
     exec(compile(code, str(path), "exec"), namespace)
-    assert "results" in namespace
+    results = namespace["results"]  # every notebook ends with its runs' SimulationResults by name
+    assert results, path.name
+    for name, result in results.items():
+        rounds = result.metrics["round"]
+        assert rounds == list(range(1, len(rounds) + 1)), name
+        assert max(result.metrics["global_accuracy"]) > 0.3, name  # learned: digits chance is 0.1

@@ -1,4 +1,6 @@
-"""Round engine: vmap vs sequential parity, chunking, padding, determinism, no recompiles."""
+"""Round engine: backend parity, chunking, padding, the cohort mask, metrics, determinism, no recompiles."""
+import math
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -17,7 +19,7 @@ def _round(algo, fed, params, config, backend, key=0, r=1):
 
 
 @pytest.mark.parametrize("name,backend", [("fedavg", "sequential"), ("fola", "sequential"),
-                                          ("fedcurv_loo", "sequential"), ("fola", "stepwise")])
+                                          ("fedcurv_loo", "sequential"), ("fola", "stepwise"), ("fedavg", "debug")])
 def test_vmap_matches_reference_backends(name, backend, small_fed, tiny_model, tiny_params):
     algo = {"fedavg": lambda: bf.algorithms.fedavg(tiny_model, lr=0.1, batch_size=16),
             "fola": lambda: bf.algorithms.fola(tiny_model, lr=0.1, lam=10.0, batch_size=16),
@@ -38,8 +40,12 @@ def test_chunking_does_not_change_the_round(small_fed, tiny_model, tiny_params):
     chex.assert_trees_all_close(whole, chunked, rtol=2e-5, atol=2e-6)
 
 
-def test_padded_client_trains_exactly_on_its_own_samples(small_fed, tiny_model, tiny_params):
-    algo = bf.algorithms.fola(tiny_model, lr=0.1, lam=10.0, batch_size=16, local_epochs=2)
+@pytest.mark.parametrize("name", ["fola", "bfl", "fedreg"])
+def test_padded_client_trains_exactly_on_its_own_samples(name, small_fed, tiny_model, tiny_params):
+    algo = {"fola": lambda: bf.algorithms.fola(tiny_model, lr=0.1, lam=10.0, batch_size=16, local_epochs=2),
+            "bfl": lambda: bf.algorithms.bfl(tiny_model, small_fed.input_shape, lr=1e-2, batch_size=16,
+                                             local_epochs=2, prior_update=True),
+            "fedreg": lambda: bf.algorithms.fedreg(tiny_model, lr=0.1, batch_size=16, local_epochs=2)}[name]()
     server = algo.server_init(tiny_params)
     hp = traced_hparams(algo, 1)
     n = int(np.argmin(small_fed.counts))
@@ -61,7 +67,7 @@ def test_empty_client_leaves_state_unchanged(small_fed, tiny_model, tiny_params)
     ctx = ClientContext(algo.server_init(tiny_params), (),
                         ClientData(jnp.asarray(small_fed.x[0]), jnp.asarray(small_fed.y[0]), jnp.int32(0)),
                         traced_hparams(algo, 1))
-    message, _ = local_training(algo, ctx, jax.random.PRNGKey(0))
+    message, _, _ = local_training(algo, ctx, jax.random.PRNGKey(0))
     chex.assert_trees_all_equal(message["params"], tiny_params)
 
 
@@ -161,3 +167,173 @@ def test_early_stopped_pretraining_stops_when_validation_accuracy_stalls(digits,
     assert acc(server["params"]) > max(0.5, acc(tiny_params) + 0.2)
     with pytest.raises(ValueError, match="validation_fraction"):
         bf.core.pretrain(learning, x, y, epochs=2, key=jax.random.PRNGKey(0), num_classes=10, validation_fraction=1.0)
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedcurv_loo"])
+def test_clients_one_at_a_time_match_the_reference(name, small_fed, tiny_model, tiny_params):
+    """clients_per_chunk=1 (no vmap: streamed stats for FedAvg, stacked messages for FedCurv) equals the reference."""
+    algo = {"fedavg": lambda: bf.algorithms.fedavg(tiny_model, lr=0.1, batch_size=16),
+            "fedcurv_loo": lambda: bf.algorithms.fedcurv(tiny_model, lr=0.1, batch_size=16,
+                                                         variant="leave_one_out")}[name]()
+    config = RoundConfig(num_clients=5, clients_per_round=3, clients_per_chunk=1)
+    one_at_a_time = _round(algo, small_fed, tiny_params, config, "vmap")
+    reference = _round(algo, small_fed, tiny_params, config, "sequential")
+    chex.assert_trees_all_close(one_at_a_time, reference, rtol=2e-5, atol=2e-6)
+
+
+def _logistic_problem():
+    """Two clients on 2-feature inputs: A holds ([1, 0], 0), ([0, 2], 1); B holds ([2, 2], 1)."""
+    x = np.array([[1.0, 0.0], [0.0, 2.0], [2.0, 2.0]], np.float32)
+    y = np.array([0, 1, 1], np.int32)
+    x_test = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], np.float32)
+    y_test = np.array([0, 1, 1], np.int32)
+    return bf.data.stack_clients(x, y, [np.array([0, 1]), np.array([2])], x_test=x_test, y_test=y_test,
+                                 num_classes=2)
+
+
+def test_one_fedavg_round_against_numbers_worked_out_by_hand():
+    """Zero weights give softmax (1/2, 1/2), so each client's gradient is x^T (1/2 - onehot) / n.
+
+    A (batch of 2, lr 1): W_A = [[1/4, -1/4], [-1/2, 1/2]], b_A = 0.
+    B (1 sample):         W_B = [[-1, 1], [-1, 1]],          b_B = [-1/2, 1/2].
+    Server, weights 2/3 and 1/3: W = [[-1/6, 1/6], [-2/3, 2/3]], b = [-1/6, 1/6].
+    Test logits [-a, a] with a = 1/3, 5/6, 1: the first point is wrong (GA 2/3); A's local
+    model gets all three right and B's two (LA = 2/3 * 1 + 1/3 * 2/3 = 8/9).
+    """
+    fed = _logistic_problem()
+    model = bf.models.get_model("logistic", 2)
+    zeros = {"Dense_0": {"kernel": jnp.zeros((2, 2)), "bias": jnp.zeros(2)}}
+    algo = bf.algorithms.fedavg(model, lr=1.0, batch_size=2, clip_norm=None)
+    result = bf.simulate(algo, fed, rounds=1, key=jax.random.PRNGKey(0), init_params=zeros)
+    server = result.state.server["params"]["Dense_0"]
+    np.testing.assert_allclose(server["kernel"], [[-1 / 6, 1 / 6], [-2 / 3, 2 / 3]], rtol=1e-6)
+    np.testing.assert_allclose(server["bias"], [-1 / 6, 1 / 6], rtol=1e-6)
+    np.testing.assert_allclose(result.metrics["global_accuracy"], [2 / 3], rtol=1e-6)
+    np.testing.assert_allclose(result.metrics["local_accuracy"], [8 / 9], rtol=1e-6)
+    softplus = lambda t: math.log1p(math.exp(t))
+    loss = (softplus(2 / 3) + softplus(-5 / 3) + softplus(-2.0)) / 3  # -log p_label for logits [-a, a]
+    np.testing.assert_allclose(result.metrics["global_loss"], [loss], rtol=1e-5)
+
+
+def _probe(evaluate=None):
+    """An algorithm that trains nothing and reports what the engine hands it.
+
+    Its local model is the global one shifted by the client's sample count.
+    """
+    def client_final(local, ctx):
+        del local
+        count = ctx.data.count.astype(jnp.float32)
+        return {"params": jax.tree.map(lambda p: p + count, ctx.server["params"])}, (), {"count": count}
+
+    def server_update(server, messages, weights, mask, hparams, key):
+        del messages, hparams
+        return server, {"noise": jax.random.uniform(key), "real_clients": jnp.sum(mask),
+                        "weight_of_real": jnp.sum(weights * mask)}
+
+    return bf.Algorithm("probe", server_init=lambda params: {"params": params},
+                        client_init=lambda ctx, key: jnp.zeros(()), client_step=lambda local, batch, ctx, key: local,
+                        client_final=client_final, server_update=server_update, evaluate=evaluate)
+
+
+@pytest.mark.parametrize("backend", ["vmap", "sequential", "debug"])
+def test_client_metrics_average_real_clients_and_the_server_gets_a_key(backend, small_fed):
+    run = bf.simulate(_probe(), small_fed, rounds=3, key=jax.random.PRNGKey(0), clients_per_round=3,
+                      clients_per_chunk=2, init_params={"w": jnp.zeros(2)}, backend=backend)
+    # 3 real clients in 4 slots: the padding slot neither counts nor weighs
+    assert run.metrics["real_clients"] == [3.0] * 3
+    np.testing.assert_allclose(run.metrics["weight_of_real"], 1.0, rtol=1e-6)
+    for r, mean_count in enumerate(run.metrics["count"], start=1):
+        cohort = bf.core.sample_cohort(RoundConfig(5, 3, clients_per_chunk=2), round_arrays(small_fed),
+                                       jax.random.fold_in(jax.random.PRNGKey(0), r))
+        real = np.asarray(cohort.ids)[np.asarray(cohort.mask) > 0]
+        np.testing.assert_allclose(mean_count, small_fed.counts[real].mean(), rtol=1e-6)
+    assert len(set(run.metrics["noise"])) == 3  # a fresh server key every round
+    assert "global_accuracy" not in run.metrics  # no evaluate hook: the engine scores nothing
+    again = bf.simulate(_probe(), small_fed, rounds=3, key=jax.random.PRNGKey(0), clients_per_round=3,
+                        clients_per_chunk=2, init_params={"w": jnp.zeros(2)})
+    assert again.metrics["noise"] == run.metrics["noise"]  # every backend hands the server the same key
+
+
+def test_a_task_plugs_in_its_own_evaluate_hook(small_fed):
+    """The engine reports whatever the hook returns: global_<name> of the server's model and
+    local_<name>, the weighted sum over the cohort's local models (here w = 0 and w = count_c)."""
+    def evaluate(params, x, y):
+        return {"w_plus_label": jnp.mean(params["w"]) + jnp.mean(y.astype(jnp.float32))}
+
+    run = bf.simulate(_probe(evaluate), small_fed, rounds=1, key=jax.random.PRNGKey(0),
+                      init_params={"w": jnp.zeros(2)})
+    label = small_fed.y_test.mean()
+    np.testing.assert_allclose(run.metrics["global_w_plus_label"], [label], rtol=1e-6)
+    counts = small_fed.counts.astype(np.float64)
+    np.testing.assert_allclose(run.metrics["local_w_plus_label"], [label + np.sum(counts ** 2) / counts.sum()],
+                               rtol=1e-5)
+
+
+def test_debug_backend_names_the_client_and_the_stage(small_fed, tiny_model):
+    """Two small clients, trained in order by the debug backend (jit off)."""
+    x = np.concatenate([small_fed.client(0)[0], small_fed.client(1)[0]])
+    y = np.concatenate([small_fed.client(0)[1], small_fed.client(1)[1]])
+    n0 = int(small_fed.counts[0])
+    fed = bf.data.stack_clients(x, y, [np.arange(n0), np.arange(n0, len(y))], x_test=small_fed.x_test[:50],
+                                y_test=small_fed.y_test[:50], num_classes=10)
+    algo = bf.algorithms.fedavg(tiny_model, lr=0.1, batch_size=16)
+
+    def poisoned_step(local, batch, ctx, key):  # client 1's second batch goes non-finite
+        local = algo.client_step(local, batch, ctx, key)
+        bad = (ctx.data.count == fed.counts[1]) & (local.steps == 2)
+        return local._replace(params=jax.tree.map(lambda p: p * jnp.where(bad, jnp.nan, 1.0), local.params))
+
+    pattern = r"client 1, stage step \(epoch 0, batch 1\): non-finite values in .params\['Dense_0'\]"
+    with pytest.raises(bf.core.StageError, match=pattern):
+        bf.simulate(algo.replace(client_step=poisoned_step), fed, rounds=1, key=jax.random.PRNGKey(0),
+                    backend="debug")
+
+    def failing_server(server, messages, weights, mask, hparams, key):
+        raise ValueError("shapes do not match")
+
+    broken = algo.replace(client_stats=None, server_from_stats=None, server_update=failing_server)
+    with pytest.raises(bf.core.StageError, match="stage server: ValueError: shapes do not match"):
+        bf.simulate(broken, fed, rounds=1, key=jax.random.PRNGKey(0), backend="debug")
+
+
+def test_a_real_client_with_zero_weight_keeps_the_bookkeeping(small_fed, tiny_model, tiny_params):
+    """It trains and writes its persistent state, so FedCurv's U and SCAFFOLD's c must count it."""
+    weights = np.array([0.0, 1.0, 2.0, 1.0, 1.0])
+    loo = bf.algorithms.fedcurv(tiny_model, lr=0.1, batch_size=16, variant="leave_one_out")
+    res = bf.simulate(loo, small_fed, rounds=2, key=jax.random.PRNGKey(0), init_params=tiny_params,
+                      client_weights=weights, evaluate_local=False)
+    assert float(jnp.abs(res.state.persistent["u"]["Dense_0"]["kernel"][0]).sum()) > 0  # client 0 trained
+    chex.assert_trees_all_close(res.state.server["u_sum"], jax.tree.map(lambda u: u.sum(0), res.state.persistent["u"]),
+                                rtol=1e-5, atol=1e-10)
+    scaffold = bf.algorithms.scaffold(tiny_model, num_clients=5, lr=0.1, batch_size=16)
+    res = bf.simulate(scaffold, small_fed, rounds=2, key=jax.random.PRNGKey(0), init_params=tiny_params,
+                      client_weights=weights, evaluate_local=False)
+    chex.assert_trees_all_close(res.state.server["control"], jax.tree.map(lambda c: c.mean(0), res.state.persistent),
+                                rtol=1e-5, atol=1e-8)
+
+
+def test_a_cohort_whose_clients_all_weigh_zero_keeps_the_server(small_fed, tiny_model, tiny_params):
+    """Zero-weight clients are sampled like any (they train); if nobody in the cohort counts, nothing moves."""
+    algo = bf.algorithms.fedavg(tiny_model, lr=0.1, batch_size=16)
+    config = RoundConfig(5, 1)
+    arrays = round_arrays(small_fed, np.array([0.0, 0.0, 0.0, 0.0, 1.0]))
+    step = make_round_step(algo, config, "vmap")
+    state, moved, kept = init_state(algo, tiny_params, 5), 0, 0
+    for r in range(1, 9):
+        key = jax.random.PRNGKey(r)
+        client = int(bf.core.sample_cohort(config, arrays, key).ids[0])
+        new, _ = step(state, arrays, key, traced_hparams(algo, r))
+        same = all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(new.server), jax.tree.leaves(state.server)))
+        assert same == (client != 4), (r, client)
+        moved, kept, state = moved + (not same), kept + same, new
+    assert moved and kept  # both kinds of cohort were drawn
+
+
+def test_metric_shapes_and_names_are_checked(small_fed):
+    probe = _probe()
+    vector = probe.replace(client_final=lambda local, ctx: ({"params": ctx.server["params"]}, (), {"v": jnp.ones(2)}))
+    with pytest.raises(ValueError, match="client metric 'v' has shape \\(2,\\) per client"):
+        bf.simulate(vector, small_fed, rounds=1, key=jax.random.PRNGKey(0), init_params={"w": jnp.zeros(2)})
+    clash = probe.replace(server_update=lambda server, m, w, mask, hp, key: (server, {"count": jnp.zeros(())}))
+    with pytest.raises(ValueError, match="the server metric 'count' clashes"):
+        bf.simulate(clash, small_fed, rounds=1, key=jax.random.PRNGKey(0), init_params={"w": jnp.zeros(2)})

@@ -38,10 +38,12 @@ def test_run_writes_metrics_and_resumes(tmp_path):
     assert summary["best_global_accuracy"] == max(r["global_accuracy"] for r in again)
 
 
-def test_server_pretraining_flag(tmp_path):
+def test_server_pretraining_flag_and_options_of_other_algorithms(tmp_path):
     out = _run(*SMALL, "--algorithm=fedavg", "--rounds=1", "--pretrain_fraction=0.2", "--pretrain_epochs=2",
-               "--pretrain_disjoint", f"--output_dir={tmp_path}")
+               "--pretrain_disjoint", "--lam=5", "--eta_s=0.1", f"--output_dir={tmp_path}")
     assert "pre-trained the server model on 80 training samples for 2 epochs (removed from the clients)" in out.stdout
+    # a flagfile may hold options of other algorithms: one line says which are ignored
+    assert "note: --lam, --eta_s do not apply to --algorithm=fedavg (ignored)" in out.stderr
 
 
 def test_early_stopped_pretraining_augmentation_and_weight_decay_flags(tmp_path):
@@ -49,9 +51,6 @@ def test_early_stopped_pretraining_augmentation_and_weight_decay_flags(tmp_path)
                "--augment=shift_flip", "--rounds=1", "--pretrain_fraction=0.2", "--pretrain_epochs=3",
                "--pretrain_validation_fraction=0.25", "--pretrain_patience=1", f"--output_dir={tmp_path}")
     assert "for 3 epochs at most, stopping early" in out.stdout and "round    1  GA" in out.stdout
-    bad = _run(*SMALL, "--algorithm=bfl", "--weight_decay=1e-4", "--rounds=1", f"--output_dir={tmp_path}/b",
-               check=False)
-    assert bad.returncode != 0 and "--weight_decay is for --algorithm=fedavg" in bad.stderr
 
 
 def test_mc_dropout_schedule_and_final_uncertainty(tmp_path):
@@ -69,11 +68,13 @@ def test_mc_dropout_schedule_and_final_uncertainty(tmp_path):
 
 @pytest.mark.parametrize("bad,needle", [("--alpha=0", "--alpha must be > 0"),
                                         ("--clients_per_round=9", "--clients_per_round must be <="),
-                                        ("--algorithm=fedsgd", "--algorithm"),
+                                        ("--algorithm=fedsdg", "--algorithm"),
                                         ("--participation=2", "--participation must be in"),
                                         ("--client_weights=0.5", "--client_weights needs exactly"),
                                         ("--model=lenet --dropout_rate=0.2", "has no dropout layers"),
-                                        ("--optimizer=adam --algorithm=fola", "--optimizer=adam is for")])
+                                        ("--dp_clip=1 --algorithm=fola", "--dp_clip (DP-SGD) works with"),
+                                        ("--algorithm=fedprox --lam=0.1", "fix: use --mu"),
+                                        ("--algorithm=fola --fisher=exact", "--fisher")])
 def test_bad_flags_fail_with_one_clear_line(bad, needle, tmp_path):
     out = _run(*SMALL, *bad.split(), f"--output_dir={tmp_path}", check=False)
     assert out.returncode != 0
@@ -90,6 +91,31 @@ def test_flagfiles_parse():
                 assert len(parse_class_groups(FLAGS.class_groups)) == FLAGS.num_clients
         finally:
             FLAGS.unparse_flags()
+
+
+def test_method_presets_build_their_algorithm_with_every_option_used(small_fed):
+    """Each per-method flagfile names an algorithm and only options it takes; build() makes it."""
+    import bfedjax as bf
+    from experiments import algorithm_flags
+    model = bf.models.get_model("mlp", 10, hidden=(8,))
+    presets = sorted((ROOT / "experiments" / "configs").glob("*/*.flags"))
+    assert len(presets) >= 9
+    for path in presets:
+        values = algorithm_flags.parse_flagfile(str(path))
+        options, ignored = algorithm_flags.options(values)
+        assert not ignored, (path, ignored)
+        algo = bf.algorithms.build(values.algorithm, model, small_fed, **options)
+        assert algo.hparams["lr"] == values.lr, path
+
+
+def test_every_option_flag_is_an_option_of_its_algorithms():
+    import bfedjax as bf
+    from experiments import algorithm_flags
+    assert set(bf.algorithms.ALGORITHMS) == {"fedavg", "fedsgd", "fedprox", "fedcurv", "fola", "bfl", "scaffold",
+                                             "fednova", "fedreg"}
+    for flag, (option, algorithms) in algorithm_flags.OPTION_FLAGS.items():
+        for name in algorithms:
+            assert option in bf.algorithms.options_of(name), (flag, name)
 
 
 def test_bench_quick_smoke_and_resume(tmp_path):
@@ -142,9 +168,9 @@ def test_bfl_rules_script_smoke(tmp_path):
 def test_fedreg_one_class_script_smoke(tmp_path):
     out_file = tmp_path / "one_class.md"
     _script("experiments.fedreg_one_class", "--model=mlp", "--rounds=2", "--seeds=0", "--local_epochs=1",
-            "--methods=sgd,fedavg,scaffold,fedreg", f"--results_file={out_file}")
+            "--methods=fedsgd,fedavg,scaffold,fedreg", f"--results_file={out_file}")
     text = out_file.read_text()
-    for method in ("sgd", "fedavg", "scaffold", "fedreg"):
+    for method in ("fedsgd", "fedavg", "scaffold", "fedreg"):
         assert f"| {method} | " in text
     assert "FedReg reaches R_0.5 in" in text and "projections active" in text
     runs = json.loads(out_file.with_suffix(".json").read_text())["runs"]

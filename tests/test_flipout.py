@@ -68,7 +68,7 @@ def test_flipout_lowers_the_gradient_variance(digits):
     keys = jax.random.split(jax.random.PRNGKey(5), 64)
     spread = {}
     for estimator in ("flipout", "reparameterization"):
-        vi = MeanFieldVI(model, digits.x_train.shape[1:], MeanFieldConfig(init_scale=0.2, estimator=estimator))
+        vi = MeanFieldVI(model, digits.x_train.shape[1:], MeanFieldConfig(init_scale=0.2, gradient_estimator=estimator))
         grads = _loc_gradients(vi, x, y, keys)
         assert np.isfinite(np.asarray(grads)).all()
         spread[estimator] = float(grads.var(0).sum())
@@ -83,8 +83,8 @@ class _TinyCNN(nn.Module):
 
 
 def test_estimator_option_and_conv_model(small_fed):
-    with pytest.raises(ValueError, match="estimator"):
-        MeanFieldConfig(estimator="local")
+    with pytest.raises(ValueError, match="gradient_estimator"):
+        MeanFieldConfig(gradient_estimator="local")
     # a variational CNN (conv and dense Flipout layers) trains in the vmapped round
     result = bf.simulate(bf.algorithms.bfl(_TinyCNN(), small_fed.input_shape, lr=3e-2, batch_size=32), small_fed,
                          rounds=2, key=jax.random.PRNGKey(0), evaluate_local=False)

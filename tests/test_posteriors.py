@@ -109,15 +109,23 @@ def test_moment_matched_mixture_matches_monte_carlo():
         chex.assert_trees_all_close(mm.mean, weighted_mean(post.mean, pi))
 
 
-def test_eq25_follows_from_eq24():
-    """Iterating Eq. 24 then Eq. 12 gives Lambda_S,R = (1/R) sum_r sum_n pi_n F_n,r (gamma = 0)."""
+def test_fola_running_average_is_eq25():
+    """FOLA's clients (Eq. 24) and product (Eq. 12) give Lambda_S,R = (1/R) sum_r sum_n pi_n F_n,r (gamma = 0)."""
+    import bfedjax as bf
+    from bfedjax.algorithms.local_sgd import LocalState
+    from bfedjax.core import ClientContext, ClientData
+    algo = bf.algorithms.fola(bf.models.get_model("logistic", 2), precision_mode="running_average", eps=0.0)
     rng = np.random.default_rng(7)
     pi = rng.dirichlet(np.ones(3))
-    lam_s = np.zeros(5)
-    fishers = rng.uniform(0, 2, size=(6, 3, 5))
+    fishers = rng.uniform(0, 2, size=(6, 3, 5)).astype(np.float32)
+    data = ClientData(jnp.zeros((1, 2)), jnp.zeros(1, jnp.int32), jnp.int32(1))
+    server = algo.server_init({"w": jnp.zeros(5)})
     for r in range(1, 7):
-        lam_n = fishers[r - 1] / r + (r - 1) / r * lam_s
-        with enable_x64(True):
-            lam_s = np.asarray(gaussian_product(DiagGaussian(jnp.zeros((3, 5)), jnp.asarray(lam_n)),
-                                                jnp.asarray(pi)).precision)
-        np.testing.assert_allclose(lam_s, np.einsum("n,rnd->rd", pi, fishers[:r]).mean(0), rtol=1e-12)
+        hp = {"round": jnp.int32(r), "lr": jnp.float32(0.0), "lam": jnp.float32(0.0)}
+        ctx = ClientContext(server, (), data, hp)
+        messages = [algo.client_final(LocalState({"w": jnp.ones(5)}, (), {"w": jnp.asarray(f)}, jnp.int32(1)), ctx)[0]
+                    for f in fishers[r - 1]]
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *messages)
+        server, _ = algo.aggregate(server, stacked, jnp.asarray(pi, jnp.float32), jnp.ones(3), hp, jax.random.PRNGKey(r))
+        np.testing.assert_allclose(server["precision"]["w"], np.einsum("n,rnd->rd", pi, fishers[:r]).mean(0),
+                                   rtol=1e-5)

@@ -97,7 +97,7 @@ def test_variational_resnet_kernels_only_and_parity(tiny_fed):
     assert np.mean(moved > 0.1 * lr) > 0.5 and np.mean(mismatch > 0.1 * lr) < 0.01
     chex.assert_trees_all_close(vmapped["scale"], sequential["scale"], atol=1e-5)
     scale = traverse_util.flatten_dict(vmapped["scale"])
-    for path, s in scale.items():  # BatchNorm leaves and statistics stay deterministic (spec D3)
+    for path, s in scale.items():  # BatchNorm leaves and statistics stay deterministic
         assert (float(jnp.max(s)) > 0) == (".".join(path) in vi.variational), path
     stats = vmapped["params"]["batch_stats"]["_Unit_0"]["BatchNorm_0"]
     assert np.all(np.isfinite(stats["var"])) and not np.allclose(stats["var"], 1.0)

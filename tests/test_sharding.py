@@ -38,6 +38,6 @@ def test_two_processes_match_one_process():
     data = bf.data.load("digits")
     fed = bf.data.from_partition(data, bf.data.partition(data.y_train, "dirichlet_per_class", 8, seed=0, alpha=0.5))
     algo = bf.algorithms.fola(bf.models.get_model("mlp", 10, hidden=(32,)), lr=0.1, lam=10.0, batch_size=16)
-    single = bf.simulate(algo, fed, rounds=2, key=jax.random.PRNGKey(0), evaluate_local=False, diagnostics=False)
+    single = bf.simulate(algo, fed, rounds=2, key=jax.random.PRNGKey(0), evaluate_local=False)
     multi = ast.literal_eval(lines[0].split("GA per round")[1].strip())
     assert max(abs(a - b) for a, b in zip(multi, single.metrics["global_accuracy"])) < 1e-6

@@ -1,15 +1,13 @@
-"""Federated algorithms, each a bundle of pure functions (``core.types.Algorithm``)."""
+"""Federated algorithms, each a bundle of pure functions (``core.types.Algorithm``), and their registry."""
 from bfedjax.algorithms.bfl import bfl
-from bfedjax.algorithms.fedavg import fedavg, sgd
+from bfedjax.algorithms.fedavg import fedavg, fedsgd
 from bfedjax.algorithms.fedcurv import fedcurv
 from bfedjax.algorithms.fednova import fednova
 from bfedjax.algorithms.fedprox import fedprox
 from bfedjax.algorithms.fedreg import fedreg
 from bfedjax.algorithms.fola import FolaConfig, fola
-from bfedjax.algorithms.predictive import predict_proba
+from bfedjax.algorithms.registry import ALGORITHMS, build, options_of
 from bfedjax.algorithms.scaffold import scaffold
 
-ALGORITHMS = {"fedavg": fedavg, "fedprox": fedprox, "fedcurv": fedcurv, "fola": fola}
-
-__all__ = ["ALGORITHMS", "FolaConfig", "bfl", "fedavg", "fedcurv", "fednova", "fedprox", "fedreg", "fola",
-           "predict_proba", "scaffold", "sgd"]
+__all__ = ["ALGORITHMS", "FolaConfig", "bfl", "build", "fedavg", "fedcurv", "fednova", "fedprox", "fedreg",
+           "fedsgd", "fola", "options_of", "scaffold"]

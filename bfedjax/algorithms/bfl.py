@@ -7,22 +7,26 @@ conflation/IV, WC, LLP, CLP, DWC) under one of the weightings of
 ``posteriors.weighting``. Deterministic leaves (biases by default) are
 averaged with the same weights. With ``prior_update`` (and always for DWC)
 each client's ELBO prior is the global posterior it received.
+
+Server metrics every round: ``mean_posterior_scale`` (of the variational
+leaves), ``dwc_guard_hits`` (weights whose DWC precision the guard changed)
+and ``scale_floor_hits`` (scales raised to ``SCALE_MIN``).
 """
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
 from bfedjax.core.types import Algorithm
-from bfedjax.posteriors import aggregation, weighting
+from bfedjax.posteriors import aggregation
+from bfedjax.posteriors import weighting as weightings
 from bfedjax.posteriors.gaussian import DiagGaussian
+from bfedjax.tasks import PREDICT_BATCH_SIZE, classification, in_batches
 from bfedjax.vi.meanfield import MeanFieldConfig, MeanFieldVI
 
 RULES = tuple(sorted(aggregation.RULES)) + ("dwc",)
-SCALE_MIN = 1e-6  # spec D2
+SCALE_MIN = 1e-6  # floor of the aggregated posterior scale (the spec's recommendation)
 
 
 def _split(tree, variational):
@@ -39,35 +43,42 @@ def _variational_posterior(loc_tree, scale_tree, variational) -> DiagGaussian:
     return DiagGaussian(loc, {p: 1.0 / jnp.square(s) for p, s in scale.items()})
 
 
-def bfl(model, input_shape, *, rule: str = "wc", weighting_scheme: str = "train_size", prior_update: bool = False,
+def bfl(model, input_shape, *, rule: str = "wc", weighting: str = "by_size", prior_update: bool = False,
         lr: float = 1e-3, local_epochs: int = 1, batch_size: int = 32, dwc_guard: str = "conflation",
-        dwc_floor_ratio: float = 1.0, **vi_options) -> Algorithm:
-    """Builds the algorithm. ``vi_options`` are ``MeanFieldConfig`` fields (prior_scale, init_scale, ...).
+        dwc_floor_ratio: float = 1.0, prior_scale: float = 10.0, init_scale: float = MeanFieldConfig.init_scale,
+        variational_biases: bool = False, train_samples: int = 1, test_samples: int = 10,
+        gradient_estimator: str = "flipout") -> Algorithm:
+    """Builds the algorithm.
 
-    ``dwc_guard`` / ``dwc_floor_ratio``: how DWC treats weights whose Eq. 17
-    precision is not positive (``aggregation.distributed_weight_consolidation``).
+    Args:
+      model: a Flax classifier from the zoo; input_shape: one example's shape.
+      rule: the aggregation rule (``RULES``). weighting: client weights (``posteriors.weighting.WEIGHTINGS``;
+        ``"by_size"`` uses the engine's weights, pi_n = m_n / m unless the run sets ``client_weights``).
+      prior_update: each client's ELBO prior is the global posterior it received (always on for DWC).
+      dwc_guard, dwc_floor_ratio: how DWC treats weights whose Eq. 17 precision is not positive
+        (``aggregation.distributed_weight_consolidation``).
+      prior_scale, init_scale, variational_biases, train_samples, test_samples, gradient_estimator:
+        the variational clients' ``vi.MeanFieldConfig``; ``lr`` is their Adam step.
 
-    The server state is ``{"params": loc, "scale": scale, ...}``; GA evaluates the
-    posterior mean, and ``vi.MeanFieldVI(model, input_shape).predict_proba``
-    gives the MC predictive for the uncertainty metrics.
+    The server state is ``{"params": loc, "scale": scale}``; GA evaluates the
+    posterior mean, and ``predict`` is the MC predictive of the posterior.
     """
     if rule not in RULES:
         raise ValueError(f"rule={rule!r}; choose one of {RULES}")
     if dwc_guard not in aggregation.DWC_GUARDS:
         raise ValueError(f"dwc_guard={dwc_guard!r}; choose one of {aggregation.DWC_GUARDS}")
-    if weighting_scheme not in weighting.WEIGHTINGS:
-        raise ValueError(f"weighting_scheme={weighting_scheme!r}; choose one of {weighting.WEIGHTINGS}")
-    vi = MeanFieldVI(model, input_shape, dataclasses.replace(MeanFieldConfig(learning_rate=lr), **vi_options))
+    if weighting not in weightings.WEIGHTINGS:
+        raise ValueError(f"weighting={weighting!r}; choose one of {weightings.WEIGHTINGS}")
+    config = MeanFieldConfig(prior_scale=prior_scale, init_scale=init_scale, variational_biases=variational_biases,
+                             train_samples=train_samples, test_samples=test_samples, learning_rate=lr,
+                             gradient_estimator=gradient_estimator)
+    vi = MeanFieldVI(model, input_shape, config)
     use_prior = prior_update or rule == "dwc"
 
     def prior_args(server):
         if not use_prior:
             return ()
         return server["params"], jax.tree.map(lambda s: jnp.maximum(s, SCALE_MIN), _scale_or_one(server["scale"]))
-
-    def server_init(params):
-        return {**vi.posterior_from_params(params),
-                "guard_hits": jnp.zeros((), jnp.int32), "scale_floor_hits": jnp.zeros((), jnp.int32)}
 
     def client_init(ctx, key):
         d = ctx.data
@@ -84,53 +95,51 @@ def bfl(model, input_shape, *, rule: str = "wc", weighting_scheme: str = "train_
 
     def client_final(state, ctx):
         del ctx
-        return vi.posterior(vi.svi.get_params(state), state.mutable_state), ()
+        return vi.posterior(vi.svi.get_params(state), state.mutable_state), (), {}
 
-    def client_weights(messages, weights, server):
-        mask = (weights > 0).astype(jnp.float32)
-        if weighting_scheme == "equal":
-            return weighting.equal(mask.shape[0], mask)
-        if weighting_scheme == "train_size":
+    def client_weights(messages, weights, mask, server):
+        if weighting == "uniform":
+            return weightings.uniform(mask.shape[0], mask)
+        if weighting == "by_size":
             return weights
         stacked = _variational_posterior(messages["params"], messages["scale"], vi.variational)
-        if weighting_scheme == "max_discrepancy":
-            return weighting.max_discrepancy(stacked, mask)
-        return weighting.distance(stacked, _variational_posterior(server["params"], server["scale"], vi.variational),
-                                  mask)
+        if weighting == "max_discrepancy":
+            return weightings.max_discrepancy(stacked, mask)
+        global_posterior = _variational_posterior(server["params"], server["scale"], vi.variational)
+        return weightings.distance(stacked, global_posterior, mask)
 
-    def server_update(server, messages, weights, hparams):
-        del hparams
-        w = client_weights(messages, weights, server)
+    def server_update(server, messages, weights, mask, hparams, key):
+        del hparams, key
+        w = client_weights(messages, weights, mask, server)
         _, det = _split(messages["params"], vi.variational)
         stacked = _variational_posterior(messages["params"], messages["scale"], vi.variational)
         hits = jnp.zeros((), jnp.int32)
         if rule == "dwc":
             prior = _variational_posterior(server["params"], server["scale"], vi.variational)
-            fused, hits = aggregation.distributed_weight_consolidation(stacked, w, prior, dwc_guard, dwc_floor_ratio)
+            fused, hits = aggregation.distributed_weight_consolidation(stacked, w, prior, dwc_guard, dwc_floor_ratio,
+                                                                       mask=mask)
         else:
-            fused = aggregation.aggregate(rule, stacked, w)
+            fused = aggregation.aggregate(rule, stacked, w, mask=mask)
         scale = {p: jax.lax.rsqrt(prec) for p, prec in fused.precision.items()}
         floor_hits = sum(jnp.sum(s < SCALE_MIN) for s in scale.values())
         scale = {p: jnp.maximum(s, SCALE_MIN) for p, s in scale.items()}
         det_mean = {p: jnp.tensordot(w, v, 1) for p, v in det.items()}
         params = traverse_util.unflatten_dict({**fused.mean, **det_mean})
         scales = traverse_util.unflatten_dict({**scale, **{p: jnp.zeros_like(v) for p, v in det_mean.items()}})
-        return {"params": params, "scale": scales, "guard_hits": jnp.asarray(hits, jnp.int32),
-                "scale_floor_hits": jnp.asarray(floor_hits, jnp.int32)}
+        variational_scales, _ = _split(scales, vi.variational)
+        mean_scale = jnp.mean(jnp.concatenate([s.ravel() for s in variational_scales.values()]))
+        return {"params": params, "scale": scales}, {"mean_posterior_scale": mean_scale,
+                                                      "dwc_guard_hits": jnp.asarray(hits, jnp.int32),
+                                                      "scale_floor_hits": jnp.asarray(floor_hits, jnp.int32)}
 
-    def diagnostics(server):
-        var_scale, _ = _split(server["scale"], vi.variational)
-        flat = jnp.concatenate([s.ravel() for s in var_scale.values()])
-        return {"mean_posterior_scale": jnp.mean(flat), "dwc_guard_hits": server["guard_hits"],
-                "scale_floor_hits": server["scale_floor_hits"]}
+    def predict(server, x, key, num_samples: int):
+        return in_batches(lambda xb: vi.predict_proba(server, xb, key, num_samples), x, PREDICT_BATCH_SIZE)
 
+    task = classification(model)
     return Algorithm(
-        name=f"bfl_{rule}", model=model,
-        server_init=server_init, client_init=client_init, client_step=client_step,
-        client_final=client_final, server_update=server_update,
-        global_params=lambda server: server["params"],
-        local_epochs=local_epochs, batch_size=batch_size, hparams={"lr": lr, "lam": 0.0},
-        diagnostics=diagnostics)
+        name=f"bfl_{rule}", server_init=vi.posterior_from_params, client_init=client_init, client_step=client_step,
+        client_final=client_final, server_update=server_update, evaluate=task.evaluate, predict=predict,
+        init_params=task.init_params, hparams={"lr": lr}, local_epochs=local_epochs, batch_size=batch_size)
 
 
 def _scale_or_one(scale_tree):

@@ -1,4 +1,4 @@
-"""FedCurv (Shoham et al. 2019), in two forms.
+"""FedCurv (Shoham et al. 2019), in three forms.
 
 ``variant="authors"`` (default; as the FOLA authors ran it): local loss
 CE + lam/2 * sum (omega_S / r) (theta - theta_S)^2 with clip 10; after local
@@ -12,14 +12,19 @@ precision U - u_n and centre (V - v_n) / (U - u_n), where the server keeps
 U = sum_k omega_k and V = sum_k omega_k * theta_k over every client's latest
 upload and each client remembers its own (u_n, v_n) as persistent state.
 
-``variant="previous_round"`` (the FedReg authors' baseline, FedReg spec §2.9):
+``variant="previous_round"`` (the FedReg authors' baseline, as their code runs it):
 after local training each client sends its per-sample empirical Fisher F_i
 at its trained theta_i; the server keeps the sums A = sum_i F_i and
 B = sum_i F_i * theta_i over the *previous round's* cohort only (own term
 included, nothing accumulated), and the next round's local loss adds
 lam * sum (theta^2 A - 2 theta B), i.e. lam * sum_i F_i (theta - theta_i)^2 up to
 a constant: a quadratic with precision 2A and centre B / A. Round 1 has A = 0.
-Run it with ``estimator="per_sample_sq"`` and ``clip_norm=None`` as they did.
+Its defaults are theirs: a per-sample Fisher (``fisher="per_sample_sq"``) and
+no clipping; the other forms default to ``batch_mean_sq`` and clip 10.
+
+Sums over "every client" count the cohort's real clients (``mask``), whatever
+their aggregation weight: a client weighted zero still trains and updates its
+own (u_n, v_n), so U and V must move with it.
 """
 from __future__ import annotations
 
@@ -27,24 +32,35 @@ import jax
 import jax.numpy as jnp
 
 from bfedjax.algorithms.local_sgd import make_sgd_client
+from bfedjax.core.types import Algorithm
+from bfedjax.laplace.fisher import FISHER_ESTIMATORS, offline_fisher
 from bfedjax.models.apply import apply_fn_of
-from bfedjax.core.tree import tree_sub, tree_zeros_like, weighted_sum
-from bfedjax.core.types import Algorithm, server_update_from_stats
-from bfedjax.laplace.fisher import offline_fisher
 from bfedjax.posteriors.aggregation import weighted_mean
+from bfedjax.tasks import classification
+from bfedjax.tree import tree_sub, tree_zeros_like, weighted_sum
 
 VARIANTS = ("authors", "leave_one_out", "previous_round")
+VARIANT_DEFAULT = "variant default"  # fisher / clip_norm: per_sample_sq and no clip for previous_round, else
+#                                     batch_mean_sq and clip 10
 
 
 def fedcurv(model, *, lam: float = 100.0, lr: float = 0.01, local_epochs: int = 1, batch_size: int = 32,
-            variant: str = "authors", estimator: str = "batch_mean_sq", clip_norm: float | None = 10.0,
+            variant: str = "authors", fisher: str = VARIANT_DEFAULT, clip_norm: float | None | str = VARIANT_DEFAULT,
             eps: float = 1e-8, momentum: float = 0.0, dp_clip: float | None = None,
             dp_noise: float = 0.0) -> Algorithm:
+    """FedCurv in the form ``variant`` (see the module docstring); ``clip_norm=None`` turns clipping off."""
     if variant not in VARIANTS:
         raise ValueError(f"FedCurv variant={variant!r}; choose one of {VARIANTS}")
+    previous = variant == "previous_round"
+    if fisher == VARIANT_DEFAULT:
+        fisher = "per_sample_sq" if previous else "batch_mean_sq"
+    if clip_norm == VARIANT_DEFAULT:
+        clip_norm = None if previous else 10.0
+    if fisher not in FISHER_ESTIMATORS:
+        raise ValueError(f"FedCurv fisher={fisher!r}; choose one of {FISHER_ESTIMATORS}")
     if variant == "previous_round":
         return _previous_round_fedcurv(model, lam=lam, lr=lr, local_epochs=local_epochs, batch_size=batch_size,
-                                       estimator=estimator, clip_norm=clip_norm, momentum=momentum,
+                                       fisher=fisher, clip_norm=clip_norm, momentum=momentum,
                                        dp_clip=dp_clip, dp_noise=dp_noise)
     apply_fn = apply_fn_of(model)
     loo = variant == "leave_one_out"
@@ -63,14 +79,14 @@ def fedcurv(model, *, lam: float = 100.0, lr: float = 0.01, local_epochs: int = 
                                                dp_clip=dp_clip, dp_noise=dp_noise)
 
     def client_final(local, ctx):
-        fisher = offline_fisher(apply_fn, local.params, ctx.data, batch_size, estimator)
+        omega = offline_fisher(apply_fn, local.params, ctx.data, batch_size, fisher)
         if not loo:
-            return {"params": local.params, "precision": fisher}, ()
-        v = jax.tree.map(jnp.multiply, fisher, local.params)
+            return {"params": local.params, "precision": omega}, (), {}
+        v = jax.tree.map(jnp.multiply, omega, local.params)
         message = {"params": local.params,
-                   "delta_u": tree_sub(fisher, ctx.persistent["u"]),
+                   "delta_u": tree_sub(omega, ctx.persistent["u"]),
                    "delta_v": tree_sub(v, ctx.persistent["v"])}
-        return message, {"u": fisher, "v": v}
+        return message, {"u": omega, "v": v}, {}
 
     def server_init(params):
         if not loo:
@@ -80,31 +96,28 @@ def fedcurv(model, *, lam: float = 100.0, lr: float = 0.01, local_epochs: int = 
     def client_stats(message):  # authors' variant: weighted means of weights and Fishers
         return {"params": message["params"], "precision": message["precision"]}
 
-    def server_from_stats(server, stats, hparams):
-        del server, hparams
-        return stats
+    def server_from_stats(server, stats, mask, hparams, key):
+        del server, mask, hparams, key
+        return stats, {}
 
-    def loo_server_update(server, messages, weights, hparams):
-        del hparams
+    def loo_server_update(server, messages, weights, mask, hparams, key):
+        del hparams, key
         params = weighted_mean(messages["params"], weights)
-        real = (weights > 0).astype(jnp.float32)
-        add = lambda total, delta: jax.tree.map(jnp.add, total, weighted_sum(delta, real))
+        add = lambda total, delta: jax.tree.map(jnp.add, total, weighted_sum(delta, mask))
         return {"params": params, "u_sum": add(server["u_sum"], messages["delta_u"]),
-                "v_sum": add(server["v_sum"], messages["delta_v"])}
+                "v_sum": add(server["v_sum"], messages["delta_v"])}, {}
 
-    persistent_init = (lambda params: {"u": tree_zeros_like(params), "v": tree_zeros_like(params)}) if loo else None
-    return Algorithm(
-        name="fedcurv", model=model,
-        server_init=server_init, client_init=client_init, client_step=client_step,
-        client_final=client_final,
-        server_update=loo_server_update if loo else server_update_from_stats(client_stats, server_from_stats),
-        global_params=lambda server: server["params"],
-        local_epochs=local_epochs, batch_size=batch_size, hparams={"lr": lr, "lam": lam},
-        persistent_init=persistent_init,
-        client_stats=None if loo else client_stats, server_from_stats=None if loo else server_from_stats)
+    common = dict(name="fedcurv", server_init=server_init, client_init=client_init, client_step=client_step,
+                  client_final=client_final, hparams={"lr": lr, "lam": lam}, local_epochs=local_epochs,
+                  batch_size=batch_size, **classification(model).hooks())
+    if loo:
+        return Algorithm(server_update=loo_server_update,
+                         persistent_init=lambda params: {"u": tree_zeros_like(params), "v": tree_zeros_like(params)},
+                         **common)
+    return Algorithm(client_stats=client_stats, server_from_stats=server_from_stats, **common)
 
 
-def _previous_round_fedcurv(model, *, lam, lr, local_epochs, batch_size, estimator, clip_norm, momentum,
+def _previous_round_fedcurv(model, *, lam, lr, local_epochs, batch_size, fisher, clip_norm, momentum,
                             dp_clip, dp_noise) -> Algorithm:
     """FedCurv as the FedReg authors ran it (see the module docstring)."""
     apply_fn = apply_fn_of(model)
@@ -118,20 +131,19 @@ def _previous_round_fedcurv(model, *, lam, lr, local_epochs, batch_size, estimat
                                                dp_clip=dp_clip, dp_noise=dp_noise)
 
     def client_final(local, ctx):
-        fisher = offline_fisher(apply_fn, local.params, ctx.data, batch_size, estimator)
-        return {"params": local.params, "fisher": fisher}, ()
+        return {"params": local.params, "fisher": offline_fisher(apply_fn, local.params, ctx.data, batch_size, fisher)}, (), {}
 
     def server_init(params):
         return {"params": params, "fisher_sum": tree_zeros_like(params), "weighted_sum": tree_zeros_like(params)}
 
-    def server_update(server, messages, weights, hparams):
-        del server, hparams
-        real = (weights > 0).astype(jnp.float32)
+    def server_update(server, messages, weights, mask, hparams, key):
+        del server, hparams, key
         weighted = jax.tree.map(jnp.multiply, messages["fisher"], messages["params"])
         return {"params": weighted_mean(messages["params"], weights),
-                "fisher_sum": weighted_sum(messages["fisher"], real), "weighted_sum": weighted_sum(weighted, real)}
+                "fisher_sum": weighted_sum(messages["fisher"], mask),
+                "weighted_sum": weighted_sum(weighted, mask)}, {}
 
     return Algorithm(
-        name="fedcurv", model=model, server_init=server_init, client_init=client_init, client_step=client_step,
-        client_final=client_final, server_update=server_update, global_params=lambda server: server["params"],
-        local_epochs=local_epochs, batch_size=batch_size, hparams={"lr": lr, "lam": lam})
+        name="fedcurv", server_init=server_init, client_init=client_init, client_step=client_step,
+        client_final=client_final, server_update=server_update, hparams={"lr": lr, "lam": lam},
+        local_epochs=local_epochs, batch_size=batch_size, **classification(model).hooks())

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 
 from bfedjax.algorithms.fedavg import params_server_init
 from bfedjax.algorithms.local_sgd import make_sgd_client
-from bfedjax.core.types import Algorithm, server_update_from_stats
+from bfedjax.core.types import Algorithm
+from bfedjax.tasks import classification
 
 
 def fednova(model, *, lr: float = 0.01, local_epochs: int = 1, batch_size: int = 32, momentum: float = 0.0,
@@ -36,18 +37,16 @@ def fednova(model, *, lr: float = 0.01, local_epochs: int = 1, batch_size: int =
         a = normaliser(local.steps)
         inv = jnp.where(a > 0, 1.0 / jnp.where(a > 0, a, 1.0), 0.0)
         direction = jax.tree.map(lambda t, p: (t - p) * inv, ctx.server["params"], local.params)
-        return {"params": local.params, "direction": direction, "tau": a}, ()
+        return {"params": local.params, "direction": direction, "tau": a}, (), {}
 
     def client_stats(message):
         return {"direction": message["direction"], "tau": message["tau"]}
 
-    def server_from_stats(server, stats, hparams):
-        del hparams
-        return {"params": jax.tree.map(lambda t, d: t - stats["tau"] * d, server["params"], stats["direction"])}
+    def server_from_stats(server, stats, mask, hparams, key):
+        del mask, hparams, key
+        return {"params": jax.tree.map(lambda t, d: t - stats["tau"] * d, server["params"], stats["direction"])}, {}
 
     return Algorithm(
-        name="fednova", model=model, server_init=params_server_init, client_init=client_init,
-        client_step=client_step, client_final=client_final,
-        server_update=server_update_from_stats(client_stats, server_from_stats),
-        global_params=lambda server: server["params"], local_epochs=local_epochs, batch_size=batch_size,
-        hparams={"lr": lr, "lam": 0.0}, client_stats=client_stats, server_from_stats=server_from_stats)
+        name="fednova", server_init=params_server_init, client_init=client_init, client_step=client_step,
+        client_final=client_final, client_stats=client_stats, server_from_stats=server_from_stats,
+        hparams={"lr": lr}, local_epochs=local_epochs, batch_size=batch_size, **classification(model).hooks())

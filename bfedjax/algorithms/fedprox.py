@@ -1,17 +1,17 @@
 """FedProx (Li et al.): FedAvg plus the proximal term ``mu/2 ||theta - theta_S||^2``.
 
-``mu`` is the traced hyper-parameter ``lam``. The FOLA authors ran it without
+``mu`` is a traced hyper-parameter. The FOLA authors ran FedProx without
 gradient clipping, which is the default here. ``scaling="full"`` gives the
-FedReg authors' ``mu ||theta - theta_S||^2`` (no 1/2; FedReg spec D14).
+FedReg authors' ``mu ||theta - theta_S||^2`` (their code drops the 1/2).
 """
 from __future__ import annotations
 
-from bfedjax.algorithms.fedavg import mean_from_stats, mean_server_update, params_message, params_server_init, params_stats
+from bfedjax.algorithms.fedavg import mean_from_stats, params_message, params_server_init, params_stats
 from bfedjax.algorithms.local_sgd import make_sgd_client
 from bfedjax.core.types import Algorithm
+from bfedjax.tasks import classification
 
-
-SCALINGS = {"half": 1.0, "full": 2.0}  # precision of the quadratic lam/2 * p * ||theta - theta_S||^2
+SCALINGS = {"half": 1.0, "full": 2.0}  # precision of the quadratic mu/2 * p * ||theta - theta_S||^2
 
 
 def fedprox(model, *, mu: float = 0.01, lr: float = 0.01, local_epochs: int = 1, batch_size: int = 32,
@@ -25,12 +25,10 @@ def fedprox(model, *, mu: float = 0.01, lr: float = 0.01, local_epochs: int = 1,
         """Isotropic prior centred on the global model."""
         return ctx.server["params"], precision
 
-    client_init, client_step = make_sgd_client(model, prior_fn=proximal_prior, clip_norm=clip_norm,
+    client_init, client_step = make_sgd_client(model, prior_fn=proximal_prior, prior_weight="mu", clip_norm=clip_norm,
                                                momentum=momentum, dp_clip=dp_clip, dp_noise=dp_noise)
     return Algorithm(
-        name="fedprox", model=model,
-        server_init=params_server_init, client_init=client_init, client_step=client_step,
-        client_final=params_message, server_update=mean_server_update,
-        global_params=lambda server: server["params"],
-        local_epochs=local_epochs, batch_size=batch_size, hparams={"lr": lr, "lam": mu},
-        client_stats=params_stats, server_from_stats=mean_from_stats)
+        name="fedprox", server_init=params_server_init, client_init=client_init, client_step=client_step,
+        client_final=params_message, client_stats=params_stats, server_from_stats=mean_from_stats,
+        hparams={"lr": lr, "mu": mu}, local_epochs=local_epochs, batch_size=batch_size,
+        **classification(model).hooks())

@@ -24,6 +24,10 @@ are generated once per round per client inside the round step
 mini-batch of a shuffled pass, used cyclically by step index, as the
 authors' code; ``"full_set"``: one batch of the whole client;
 ``"per_step"``: regenerated from each real batch).
+
+Client metrics (averaged over the cohort's real clients each round):
+``ws_active`` and ``wp_active``, the share of a client's local steps whose
+first / second projection was active (w_s > 0, w_p > 0).
 """
 from __future__ import annotations
 
@@ -31,32 +35,18 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 
-from bfedjax.algorithms.fedavg import params_message, params_stats
+from bfedjax.algorithms.fedavg import mean_from_stats, params_server_init, params_stats
 from bfedjax.core.batching import epoch_permutation, steps_per_epoch, take_batch
-from bfedjax.core.types import Algorithm, Batch, ClientContext, server_update_from_stats
-from bfedjax.laplace.fisher import masked_mean_cross_entropy
+from bfedjax.core.types import Algorithm, Batch, ClientContext
+from bfedjax.losses import cross_entropy, masked_mean_cross_entropy, soft_cross_entropy
 from bfedjax.models.apply import apply_fn_of, needs_train_mode
+from bfedjax.tasks import classification
+from bfedjax.tree import tree_dot
 
 GRANULARITIES = ("per_batch", "full_set", "per_step")
 CLAMPS = ("batch_range", "valid_range", "none")
 DENOMINATOR_GUARD = 1e-30  # authors' code: added to every projection denominator
-
-
-def tree_dot(a, b) -> jax.Array:
-    """Dot product of two pytrees flattened together (a scalar)."""
-    return sum(jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-
-
-def soft_cross_entropy(logits, targets, mask) -> jax.Array:
-    """Masked mean of ``-sum_c targets_c log softmax(logits)_c``; targets ``[B, K]``, mask ``[B]``.
-
-    ``log_softmax`` replaces the authors' ``log(softmax + 1e-12)`` (same value
-    away from underflow; exact stationarity of the pseudo loss at ``theta_g``).
-    """
-    losses = -jnp.sum(targets * jax.nn.log_softmax(logits), axis=-1)
-    return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
 def clamp_bounds(x, mask, clamp: str, valid_range=(0.0, 1.0)):
@@ -90,7 +80,7 @@ def sign_ascent(apply_fn, params, x, y, *, eta, steps: int, bounds=None) -> jax.
     """
     eta = jnp.asarray(eta, x.dtype)
     eta = eta.reshape(eta.shape + (1,) * (x.ndim - eta.ndim)) if eta.ndim else eta
-    total_loss = lambda inputs: jnp.sum(optax.softmax_cross_entropy_with_integer_labels(apply_fn(params, inputs), y))
+    total_loss = lambda inputs: jnp.sum(cross_entropy(apply_fn(params, inputs), y))
 
     def step(_, inputs):
         inputs = inputs + eta * jnp.sign(jax.grad(total_loss)(inputs))
@@ -161,10 +151,11 @@ def fedreg(model, *, lr: float = 0.1, gamma: float = 0.5, eta_s: float = 0.05, e
       lr, gamma, eta_s, eta_p: traced hyper-parameters (``eta_p`` defaults to
         ``0.01 * eta_s``); ``gamma = 1`` with ``projections=False`` is FedAvg.
       generation_steps: E (the paper fixes 10).
-      granularity, clamp: see ``GRANULARITIES`` and ``sign_ascent`` (spec D1, D2).
+      granularity: what one pseudo / perturbed batch is generated from (``GRANULARITIES``).
+      clamp: the range generated inputs are clipped to (``CLAMPS``, ``clamp_bounds``).
       projections: False skips Eq. 10 (ablation / the FedAvg identity).
-      equality: constraints as equalities (w_s, w_p may be negative; spec D8).
-      hard_pseudo: argmax pseudo labels instead of the softmax (spec D7).
+      equality: constraints as equalities (w_s, w_p may be negative).
+      hard_pseudo: argmax pseudo labels instead of the softmax.
       mg: FedReg with MG (Eq. 12): each step's gradient loses its component
         along the gradient of this batch's pseudo inputs with uniform labels
         (regenerated from the real batch every step; v unclamped).
@@ -235,7 +226,7 @@ def fedreg(model, *, lr: float = 0.1, gamma: float = 0.5, eta_s: float = 0.05, e
         return (reg.pseudo_x[k], reg.pseudo_y[k], reg.mask[k]), Batch(reg.perturbed_x[k], reg.perturbed_y[k], reg.mask[k])
 
     def ce_grad(params, batch: Batch):
-        """Hard-label batch-mean cross-entropy gradient (the same function as FedAvg's step)."""
+        """Hard-label batch-mean cross-entropy gradient (the same loss as FedAvg's step)."""
         return jax.grad(masked_mean_cross_entropy, argnums=1)(apply_fn, params, batch)
 
     def soft_grad(params, x, targets, mask):
@@ -271,26 +262,15 @@ def fedreg(model, *, lr: float = 0.1, gamma: float = 0.5, eta_s: float = 0.05, e
                               equality=equality)
 
     def client_final(local: FedRegState, ctx):
-        message, persistent = params_message(local, ctx)
+        del ctx
         steps = jnp.maximum(local.steps, 1).astype(jnp.float32)
-        return {**message, "ws_active": local.ws_active / steps, "wp_active": local.wp_active / steps}, persistent
+        return {"params": local.params}, (), {"ws_active": local.ws_active / steps, "wp_active": local.wp_active / steps}
 
-    def client_stats(message):
-        return {"params": params_stats(message), "ws_active": message["ws_active"],
-                "wp_active": message["wp_active"]}
-
-    def server_from_stats(server, stats, hparams):
-        del server, hparams
-        return stats
-
-    hparams = {"lr": lr, "lam": 0.0, "gamma": gamma, "eta_s": eta_s}
+    hparams = {"lr": lr, "gamma": gamma, "eta_s": eta_s}
     if eta_p is not None:
         hparams["eta_p"] = eta_p
     return Algorithm(
-        name="fedreg_mg" if mg else "fedreg", model=model,
-        server_init=lambda params: {"params": params, "ws_active": jnp.zeros(()), "wp_active": jnp.zeros(())},
-        client_init=client_init, client_step=client_step, client_final=client_final,
-        server_update=server_update_from_stats(client_stats, server_from_stats), global_params=lambda server: server["params"],
-        local_epochs=local_epochs, batch_size=batch_size, hparams=hparams,
-        diagnostics=lambda server: {"ws_active": server["ws_active"], "wp_active": server["wp_active"]},
-        client_stats=client_stats, server_from_stats=server_from_stats)
+        name="fedreg_mg" if mg else "fedreg", server_init=params_server_init, client_init=client_init,
+        client_step=client_step, client_final=client_final, client_stats=params_stats,
+        server_from_stats=mean_from_stats, hparams=hparams, local_epochs=local_epochs, batch_size=batch_size,
+        **classification(model).hooks())

@@ -8,19 +8,25 @@ raised to pi_n = m_n / m (Eq. 12) via ``posteriors.gaussian_product``.
 
 Options (spec ``shared/specs/fola.md`` section 3; defaults are the spec's):
 
-fisher (D1)            "batch_mean_sq" (authors' code) | "per_sample_sq" (Eq. 21/22) |
-                       "alg1_raw" (Algorithm 1) | "offline" (one pass at the final
-                       weights, reset every round: the Fig. 9a ablation)
-normalisation (D2)     "sum_over_epochs" (code) | "mean_over_steps" (Eq. 22, 1/T)
-precision_mode (D5)    "running_sum": omega_n = omega_S + F, prior precision omega_S / r
+fisher                 which Fisher: "batch_mean_sq" (authors' code) | "per_sample_sq"
+                       (Eq. 21/22) | "alg1_raw" (Algorithm 1) | "offline" (one pass at the
+                       final weights, reset every round: the Fig. 9a ablation)
+normalisation          "sum_over_epochs" (code) | "mean_over_steps" (Eq. 22, 1/T)
+precision_mode         "running_sum": omega_n = omega_S + F, prior precision omega_S / r
                        "running_average": Lambda_n = F / r + (r-1)/r Lambda_S (Eq. 24),
                        prior precision Lambda_S (Eq. 25)
-damping (D3)           delta added to F (Eq. 20)
-eps (D4)               product denominator guard (code 1e-5; paper 0)
-gamma (D6)             extra prior precision added every round
-prior_grad (D10)       False reproduces the released code (prior detached)
-clip_norm (D17)        global-norm clip of the total gradient (code 10)
-lam (D9)               traced hyper-parameter; 0 gives "aggregation only"
+offline_fisher_estimator  the estimator of the "offline" Fisher pass
+damping                delta added to F (Eq. 20)
+eps                    product denominator guard (code 1e-5; paper 0)
+gamma                  extra prior precision added every round
+prior_grad             False reproduces the released code (prior detached)
+clip_norm              global-norm clip of the total gradient (code 10)
+lam                    traced hyper-parameter; 0 gives "aggregation only"
+
+precision_diagnostics  report the spec's precision diagnostics (section 7) as server
+                       metrics every round: ``precision_below_eps``, the share of
+                       coordinates with Lambda_S < eps, and ``precision_median`` (a
+                       sort of every parameter inside the round; False skips them)
 
 ``profile`` picks a consistent set: "default" (the spec's recommendation),
 "authors_code" (the released code bit for bit: detached prior) or "paper"
@@ -35,14 +41,15 @@ import jax
 import jax.numpy as jnp
 
 from bfedjax.algorithms.local_sgd import make_sgd_client
+from bfedjax.core.types import Algorithm
+from bfedjax.laplace.fisher import FISHER_ESTIMATORS, offline_fisher
 from bfedjax.models.apply import apply_fn_of
-from bfedjax.core.tree import tree_zeros_like
-from bfedjax.core.types import Algorithm, server_update_from_stats
-from bfedjax.laplace.fisher import ESTIMATORS, offline_fisher
 from bfedjax.posteriors.aggregation import gaussian_product_from_stats, gaussian_product_stats
 from bfedjax.posteriors.gaussian import DiagGaussian
+from bfedjax.tasks import classification
+from bfedjax.tree import tree_zeros_like
 
-FISHER_MODES = ESTIMATORS + ("offline",)
+FISHER_MODES = FISHER_ESTIMATORS + ("offline",)
 NORMALISATIONS = ("sum_over_epochs", "mean_over_steps")
 PRECISION_MODES = ("running_sum", "running_average")
 
@@ -52,19 +59,20 @@ class FolaConfig:
     fisher: str = "batch_mean_sq"
     normalisation: str = "sum_over_epochs"
     precision_mode: str = "running_sum"
-    offline_estimator: str = "batch_mean_sq"
+    offline_fisher_estimator: str = "batch_mean_sq"
     damping: float = 0.0
     eps: float = 1e-5
     gamma: float = 0.0
     prior_grad: bool = True
     clip_norm: float | None = 10.0
     momentum: float = 0.0
+    precision_diagnostics: bool = True
 
     def __post_init__(self):
         _check("fisher", self.fisher, FISHER_MODES)
         _check("normalisation", self.normalisation, NORMALISATIONS)
         _check("precision_mode", self.precision_mode, PRECISION_MODES)
-        _check("offline_estimator", self.offline_estimator, ESTIMATORS)
+        _check("offline_fisher_estimator", self.offline_fisher_estimator, FISHER_ESTIMATORS)
         for name in ("damping", "eps", "gamma"):
             if getattr(self, name) < 0:
                 raise ValueError(f"FOLA {name}={getattr(self, name)} must be >= 0")
@@ -79,7 +87,7 @@ PROFILES = {
     "default": FolaConfig(),
     "authors_code": FolaConfig(prior_grad=False),
     "paper": FolaConfig(fisher="per_sample_sq", normalisation="mean_over_steps",
-                        precision_mode="running_average", offline_estimator="per_sample_sq",
+                        precision_mode="running_average", offline_fisher_estimator="per_sample_sq",
                         eps=0.0, clip_norm=None),
 }
 
@@ -117,7 +125,7 @@ def fola(model, *, lr: float = 0.01, lam: float = 1e3, local_epochs: int = 1, ba
     def round_fisher(local, ctx):
         """The client's Fisher F for this round (before combining with the global precision)."""
         if cfg.fisher == "offline":
-            fisher = offline_fisher(apply_fn, local.params, ctx.data, batch_size, cfg.offline_estimator)
+            fisher = offline_fisher(apply_fn, local.params, ctx.data, batch_size, cfg.offline_fisher_estimator)
         elif cfg.normalisation == "sum_over_epochs":
             fisher = local.fisher
         else:  # mean over steps: per epoch for normalised estimators, per step for raw squares
@@ -134,7 +142,7 @@ def fola(model, *, lr: float = 0.01, lam: float = 1e3, local_epochs: int = 1, ba
         else:  # Eq. 24
             r = ctx.hparams["round"].astype(jnp.float32)
             precision = jax.tree.map(lambda f, s: f / r + (r - 1.0) / r * s, fisher, ctx.server["precision"])
-        return {"params": local.params, "precision": precision}, ()
+        return {"params": local.params, "precision": precision}, (), {}
 
     def server_init(params):
         return {"params": params, "precision": tree_zeros_like(params)}
@@ -142,21 +150,20 @@ def fola(model, *, lr: float = 0.01, lam: float = 1e3, local_epochs: int = 1, ba
     def client_stats(message):
         return gaussian_product_stats(DiagGaussian(message["params"], message["precision"]))
 
-    def server_from_stats(server, stats, hparams):
-        del server, hparams
+    def server_from_stats(server, stats, mask, hparams, key):
+        del server, mask, hparams, key
         posterior = gaussian_product_from_stats(stats, cfg.eps)
-        return {"params": posterior.mean, "precision": posterior.precision}
+        metrics = precision_diagnostics(posterior.precision) if cfg.precision_diagnostics else {}
+        return {"params": posterior.mean, "precision": posterior.precision}, metrics
 
-    def diagnostics(server):
+    def precision_diagnostics(precision):
         """Spec section 7: share of coordinates with Lambda_S < eps and the median Lambda_S."""
-        flat = jnp.concatenate([p.ravel() for p in jax.tree.leaves(server["precision"])])
+        flat = jnp.concatenate([p.ravel() for p in jax.tree.leaves(precision)])
         return {"precision_below_eps": jnp.mean(flat < max(cfg.eps, 1e-30)),
                 "precision_median": jnp.median(flat)}
 
     return Algorithm(
-        name="fola", model=model,
-        server_init=server_init, client_init=client_init, client_step=client_step,
-        client_final=client_final, server_update=server_update_from_stats(client_stats, server_from_stats),
-        global_params=lambda server: server["params"],
-        local_epochs=local_epochs, batch_size=batch_size, hparams={"lr": lr, "lam": lam},
-        diagnostics=diagnostics, client_stats=client_stats, server_from_stats=server_from_stats)
+        name="fola", server_init=server_init, client_init=client_init, client_step=client_step,
+        client_final=client_final, client_stats=client_stats, server_from_stats=server_from_stats,
+        hparams={"lr": lr, "lam": lam}, local_epochs=local_epochs, batch_size=batch_size,
+        **classification(model).hooks())

@@ -4,7 +4,8 @@ FedAvg, FedProx, FedCurv and FOLA all train locally with the same step:
 
     g      = grad of the batch-mean cross-entropy        (one backward pass,
     F     += Fisher increment of the batch                which also yields F)
-    g     += lam * precision * (theta - center)          (prior / proximal term)
+    g     += lam * precision * (theta - center)          (prior / proximal term; lam is a traced
+                                                          hyper-parameter, FedProx calls it mu)
     theta -= lr * clip_by_global_norm(g)                 (optax direction)
 
 and differ only in the prior (``prior_fn``), the Fisher estimator, and what
@@ -19,13 +20,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from bfedjax.core.tree import tree_zeros_like
 from bfedjax.core.types import Batch, ClientContext
-from bfedjax.laplace.fisher import (ESTIMATORS, grad_and_fisher, increment_from_batch_grad,
+from bfedjax.laplace.fisher import (FISHER_ESTIMATORS, grad_and_fisher, increment_from_batch_grad,
                                     train_mode_grad_and_fisher)
 from bfedjax.models.apply import apply_fn_of, has_batch_stats, needs_train_mode, train_apply_fn_of
 from bfedjax.posteriors.gaussian import broadcast_precision
 from bfedjax.privacy.dp import private_gradient
+from bfedjax.tree import tree_zeros_like
 
 # prior_fn(ctx) -> (center pytree, precision pytree or scalar) or None.
 PriorFn = Callable[[ClientContext], Any]
@@ -64,7 +65,7 @@ def direction_transform(clip_norm: float | None, momentum: float = 0.0,
     return optax.chain(*parts) if parts else optax.identity()
 
 
-def make_sgd_client(model, *, prior_fn: PriorFn | None = None, fisher: str | None = None,
+def make_sgd_client(model, *, prior_fn: PriorFn | None = None, prior_weight: str = "lam", fisher: str | None = None,
                     clip_norm: float | None = 10.0, momentum: float = 0.0, prior_grad: bool = True,
                     optimizer: str = "sgd", dp_clip: float | None = None, dp_noise: float = 0.0,
                     correction_fn: CorrectionFn | None = None, weight_decay: float = 0.0):
@@ -74,11 +75,12 @@ def make_sgd_client(model, *, prior_fn: PriorFn | None = None, fisher: str | Non
       model: Flax module.
       prior_fn: gives the quadratic prior ``lam/2 * sum precision (theta - center)^2``
         from the client context; ``None`` for plain SGD.
+      prior_weight: the hyper-parameter that is ``lam`` above (``"lam"``; FedProx: ``"mu"``).
       fisher: online Fisher estimator accumulated into ``LocalState.fisher``
-        (one of ``laplace.ESTIMATORS``) or ``None``.
+        (one of ``laplace.FISHER_ESTIMATORS``) or ``None``.
       clip_norm: global-norm clipping of the total gradient (FOLA authors: 10).
       momentum: heavy-ball momentum (0: plain SGD, a fresh state each round).
-      optimizer: ``"sgd"`` or ``"adam"`` (Fischer et al. spec D7: Adam, state reset every round).
+      optimizer: ``"sgd"`` or ``"adam"`` (Fischer et al. train with Adam, its state reset every round).
       prior_grad: False reproduces the released FOLA code, whose prior term
         is detached (it then contributes no gradient).
       dp_clip, dp_noise: DP-SGD (``privacy.dp``): per-example clipping to ``dp_clip`` and
@@ -86,15 +88,15 @@ def make_sgd_client(model, *, prior_fn: PriorFn | None = None, fisher: str | Non
         key drives the noise); the prior term is added after, un-noised. ``None``: off.
       correction_fn: a constant added to every step's gradient (SCAFFOLD's ``c - c_i``).
       weight_decay: L2 penalty ``weight_decay/2 * ||W||^2`` on every ``kernel`` leaf (dense and
-        conv weights; biases and normalisation layers are not decayed), Fischer et al. D19: 1e-4
-        for the deterministic and MC-dropout baselines.
+        conv weights; biases and normalisation layers are not decayed); Fischer et al. use 1e-4
+        for their deterministic and MC-dropout baselines.
     Models with BatchNorm or dropout (``models.apply``) train in training mode:
     the step key drives dropout and the BatchNorm statistics of the real rows
     update the running averages carried in ``params``.
-    Hyper-parameters read from ``ctx.hparams``: ``lr``, ``lam``.
+    Hyper-parameters read from ``ctx.hparams``: ``lr``, and ``prior_weight`` when there is a prior.
     """
-    if fisher is not None and fisher not in ESTIMATORS:
-        raise ValueError(f"fisher={fisher!r}; choose one of {ESTIMATORS} or None")
+    if fisher is not None and fisher not in FISHER_ESTIMATORS:
+        raise ValueError(f"fisher={fisher!r}; choose one of {FISHER_ESTIMATORS} or None")
     apply_fn = apply_fn_of(model)
     train_apply = train_apply_fn_of(model) if needs_train_mode(model) else None
     if dp_clip is not None:
@@ -133,7 +135,7 @@ def make_sgd_client(model, *, prior_fn: PriorFn | None = None, fisher: str | Non
         grad, increment, current = gradient(local.params, batch, ctx.data.count, key)
         if prior_fn is not None and prior_grad:
             center, precision = prior_fn(ctx)
-            lam = ctx.hparams["lam"]
+            lam = ctx.hparams[prior_weight]
             grad = jax.tree.map(lambda g, t, c, p: g + lam * p * (t - c), grad, local.params, center,
                                 broadcast_precision(precision, local.params))
             if has_batch_stats(model):  # running statistics follow the batches, never the prior

@@ -13,7 +13,9 @@ After ``K_i`` real steps (option II, the default and the FedReg authors'):
 (option I: ``c_i+ = grad L_i(theta)``, the client's full-data gradient at the
 global model). The server moves ``theta`` by ``global_lr`` times the weighted
 mean of ``y_i - theta`` and ``c <- c + (1/N) sum_{i in cohort} (c_i+ - c_i)``
-with ``N`` the number of clients in the federation.
+with ``N`` the number of clients in the federation. The sum runs over the
+cohort's real clients (``mask``) whatever their aggregation weight, so
+``c = (1/N) sum_i c_i`` holds at every round.
 """
 from __future__ import annotations
 
@@ -22,10 +24,11 @@ import jax.numpy as jnp
 
 from bfedjax.algorithms.local_sgd import make_sgd_client
 from bfedjax.core.batching import ordered_pass
-from bfedjax.core.tree import tree_sub, tree_zeros_like, weighted_sum
 from bfedjax.core.types import Algorithm
-from bfedjax.laplace.fisher import masked_mean_cross_entropy
+from bfedjax.losses import masked_mean_cross_entropy
 from bfedjax.models.apply import apply_fn_of
+from bfedjax.tasks import classification
+from bfedjax.tree import tree_sub, tree_zeros_like, weighted_sum
 
 OPTIONS = ("II", "I")
 
@@ -65,21 +68,18 @@ def scaffold(model, *, num_clients: int, lr: float = 0.1, local_epochs: int = 1,
         else:
             new = full_gradient(theta, ctx.data)
         new = jax.tree.map(lambda n, o: jnp.where(local.steps > 0, n, o), new, own)  # empty slot: unchanged
-        return {"params": local.params, "control_delta": tree_sub(new, own)}, new
+        return {"params": local.params, "control_delta": tree_sub(new, own)}, new, {}
 
-    def server_update(server, messages, weights, hparams):
-        del hparams
+    def server_update(server, messages, weights, mask, hparams, key):
+        del hparams, key
         mean = weighted_sum(messages["params"], weights)
         params = jax.tree.map(lambda t, m: t + global_lr * (m - t), server["params"], mean)
-        real = (weights > 0).astype(jnp.float32)
         control = jax.tree.map(lambda c, d: c + d / num_clients, server["control"],
-                               weighted_sum(messages["control_delta"], real))
-        return {"params": params, "control": control}
+                               weighted_sum(messages["control_delta"], mask))
+        return {"params": params, "control": control}, {}
 
     return Algorithm(
-        name="scaffold", model=model,
-        server_init=lambda params: {"params": params, "control": tree_zeros_like(params)},
-        client_init=client_init, client_step=client_step, client_final=client_final,
-        server_update=server_update, global_params=lambda server: server["params"],
-        local_epochs=local_epochs, batch_size=batch_size, hparams={"lr": lr, "lam": 0.0},
-        persistent_init=tree_zeros_like)
+        name="scaffold", server_init=lambda params: {"params": params, "control": tree_zeros_like(params)},
+        client_init=client_init, client_step=client_step, client_final=client_final, server_update=server_update,
+        persistent_init=tree_zeros_like, hparams={"lr": lr}, local_epochs=local_epochs, batch_size=batch_size,
+        **classification(model).hooks())

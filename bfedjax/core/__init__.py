@@ -1,11 +1,13 @@
-"""Core: types, batching, the round engine and the simulation loop."""
-from bfedjax.core.engine import (BACKENDS, EngineState, RoundArrays, RoundConfig, apply_fn_of, init_state,
-                                 local_training, make_round_step)
+"""Core: the algorithm contract, batching, the round engine and the simulation loop (jax only)."""
+from bfedjax.core import sharding
+from bfedjax.core.engine import (BACKENDS, Cohort, EngineState, RoundArrays, RoundConfig, StageError, init_state,
+                                 local_training, make_round_step, sample_cohort)
 from bfedjax.core.schedules import SCHEDULES, lr_schedule
-from bfedjax.core.simulate import (SimulationResult, cohort_size, patience_reached, pretrain, round_arrays,
-                                   simulate, traced_hparams)
+from bfedjax.core.simulate import (CLIENT_WEIGHTINGS, SimulationResult, cohort_size, patience_reached, pretrain,
+                                   round_arrays, simulate, traced_hparams)
 from bfedjax.core.types import Algorithm, Batch, ClientContext, ClientData
 
-__all__ = ["BACKENDS", "Algorithm", "Batch", "ClientContext", "ClientData", "EngineState", "RoundArrays",
-           "RoundConfig", "SCHEDULES", "SimulationResult", "lr_schedule", "apply_fn_of", "cohort_size", "patience_reached", "pretrain", "init_state", "local_training", "make_round_step",
-           "round_arrays", "simulate", "traced_hparams"]
+__all__ = ["sharding", "BACKENDS", "CLIENT_WEIGHTINGS", "Algorithm", "Batch", "ClientContext", "ClientData", "Cohort",
+           "EngineState", "RoundArrays", "RoundConfig", "SCHEDULES", "SimulationResult", "StageError", "cohort_size",
+           "init_state", "local_training", "lr_schedule", "make_round_step", "patience_reached", "pretrain",
+           "round_arrays", "sample_cohort", "simulate", "traced_hparams"]

@@ -2,7 +2,7 @@
 
 The learning rate is a traced hyper-parameter of the round, so a schedule
 never recompiles. Fischer et al. keep the rate for a silent period of 50
-rounds and then decay it "by a factor of .04 every round"; the spec (D8)
+rounds and then decay it "by a factor of .04 every round"; the spec
 reads this as ``lr * exp(-0.04 (r - 50))`` and offers the alternatives below.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ SCHEDULES = ("constant", "exponential", "geometric", "literal")
 def lr_schedule(name: str, lr: float, *, start: int = 50, rate: float = 0.04) -> Callable[[int], float]:
     """``round (from 1) -> learning rate``; constant up to round ``start``, then
 
-    * ``exponential``: ``lr * exp(-rate * (r - start))`` (spec D8 default);
+    * ``exponential``: ``lr * exp(-rate * (r - start))`` (the spec's reading, the default);
     * ``geometric``: ``lr * (1 - rate) ** (r - start)``;
     * ``literal``: ``lr * rate ** (r - start)`` (the paper's words; stalls training);
     * ``constant``: ``lr`` throughout.

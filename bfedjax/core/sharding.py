@@ -4,8 +4,9 @@ Everything with a leading client axis (client data, counts, weights,
 per-client persistent state) is placed with ``NamedSharding(mesh,
 P('clients'))``; the server state is replicated. The jitted round then runs
 each device's clients locally and the aggregation's sums over clients become
-all-reduces. The federation is padded with empty, zero-weight clients to a
-multiple of the device count, which changes no result.
+all-reduces. The federation is padded with empty clients (weight 0, client_mask 0) to a
+multiple of the device count (masked out of every cohort), which changes no
+result.
 
 Multi-host: call ``jax.distributed.initialize()`` on every host first (see
 ``experiments/multihost_example.py``); ``client_mesh()`` then spans the
@@ -35,20 +36,20 @@ def padded_client_count(num_clients: int, mesh: Mesh) -> int:
 
 
 def pad_clients(arrays: RoundArrays, num_clients: int) -> RoundArrays:
-    """Appends empty clients (count 0, weight 0) up to ``num_clients`` rows."""
+    """Appends empty clients (count 0, weight 0, client_mask 0) up to ``num_clients`` rows."""
     extra = num_clients - arrays.counts.shape[0]
     if extra <= 0:
         return arrays
     pad = lambda a: jnp.concatenate([a, jnp.zeros((extra,) + a.shape[1:], a.dtype)])
     return arrays._replace(x=pad(arrays.x), y=pad(arrays.y), counts=pad(arrays.counts),
-                           base_weights=pad(arrays.base_weights))
+                           base_weights=pad(arrays.base_weights), client_mask=pad(arrays.client_mask))
 
 
 def shard_arrays(arrays: RoundArrays, mesh: Mesh) -> RoundArrays:
     """Client-axis arrays sharded over ``'clients'``; the test set replicated."""
     by_client = NamedSharding(mesh, P(AXIS))
     replicated = NamedSharding(mesh, P())
-    return RoundArrays(*(jax.device_put(a, by_client) for a in arrays[:4]),
+    return RoundArrays(*(jax.device_put(a, by_client) for a in arrays[:5]),
                        jax.device_put(arrays.x_test, replicated), jax.device_put(arrays.y_test, replicated))
 
 

@@ -15,14 +15,14 @@ import numpy as np
 
 from bfedjax.core.engine import EngineState, RoundArrays, RoundConfig, init_state, make_round_step
 from bfedjax.core.types import Algorithm
-from bfedjax.metrics.rounds import best_so_far
-from bfedjax.models import zoo
 
 
 @dataclasses.dataclass
 class SimulationResult:
-    """metrics: per-round lists (``round``, ``global_accuracy``, ``local_accuracy``, ``global_loss``,
-    ``seconds``, ``best_global_accuracy``); state: the final ``EngineState``."""
+    """metrics: per-round lists: ``round``, ``seconds``, the algorithm's client and server metrics, and
+    the evaluate hook's ``global_<name>`` / ``local_<name>`` (for classification ``global_accuracy``,
+    ``global_loss``, ``local_accuracy``, ``local_loss``, and ``best_global_accuracy``, the best so far);
+    state: the final ``EngineState``."""
 
     algorithm: str
     metrics: dict
@@ -33,7 +33,7 @@ class SimulationResult:
         return float(max(self.metrics["global_accuracy"]))
 
 
-AGGREGATION_WEIGHTS = ("by_size", "uniform")
+CLIENT_WEIGHTINGS = ("by_size", "uniform")
 
 
 def round_arrays(fed, client_weights=None) -> RoundArrays:
@@ -43,18 +43,25 @@ def round_arrays(fed, client_weights=None) -> RoundArrays:
     (the unweighted mean of the cohort, as FedReg's experiments), or ``[N]`` weights.
     """
     if isinstance(client_weights, str):
-        if client_weights not in AGGREGATION_WEIGHTS:
-            raise ValueError(f"client_weights={client_weights!r}; choose one of {AGGREGATION_WEIGHTS} or give N numbers")
+        if client_weights not in CLIENT_WEIGHTINGS:
+            raise ValueError(f"client_weights={client_weights!r}; choose one of {CLIENT_WEIGHTINGS} or give N numbers")
         client_weights = None if client_weights == "by_size" else np.ones(fed.num_clients, np.float32)
     weights = fed.weights if client_weights is None else np.asarray(client_weights, np.float32)
     if weights.shape != (fed.num_clients,) or np.any(weights < 0) or weights.sum() <= 0:
         raise ValueError(f"client_weights must be {fed.num_clients} non-negative numbers with a positive sum")
     return RoundArrays(jnp.asarray(fed.x), jnp.asarray(fed.y), jnp.asarray(fed.counts),
-                       jnp.asarray(weights / weights.sum()), jnp.asarray(fed.x_test), jnp.asarray(fed.y_test))
+                       jnp.asarray(weights / weights.sum()), jnp.ones(fed.num_clients, jnp.float32),
+                       jnp.asarray(fed.x_test), jnp.asarray(fed.y_test))
 
 
 def traced_hparams(algorithm: Algorithm, round_index: int, overrides: dict | None = None) -> dict:
-    """Per-round scalars with fixed dtypes (``round`` int32, the rest float32): no recompiles."""
+    """Per-round scalars with fixed dtypes (``round`` int32, the rest float32): no recompiles.
+
+    ``overrides`` may only change the algorithm's own hyper-parameters (``algorithm.hparams``).
+    """
+    unknown = sorted(set(overrides or {}) - set(algorithm.hparams))
+    if unknown:
+        raise ValueError(f"hyper-parameters {unknown} are not {algorithm.name}'s; it has {sorted(algorithm.hparams)}")
     values = {**algorithm.hparams, **(overrides or {})}
     out = {k: jnp.asarray(v, jnp.float32) for k, v in values.items()}
     out["round"] = jnp.asarray(round_index, jnp.int32)
@@ -76,7 +83,7 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
              participation: float | None = None,
              clients_per_chunk: int | None = None, backend: str = "vmap", client_weights=None,
              hparams_fn: Callable[[int], dict] | None = None, evaluate_local: bool = True,
-             init_params=None, init_server=None, checkpoint_dir: str | None = None, diagnostics: bool = True,
+             init_params=None, init_server=None, checkpoint_dir: str | None = None,
              mesh=None,
              on_round: Callable[[dict], None] | None = None,
              stop_when: Callable[[list[dict]], bool] | None = None) -> SimulationResult:
@@ -89,17 +96,16 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
       clients_per_round: cohort size K (default: all clients).
       participation: alternatively, K = round(participation * N), sampled afresh every round.
       clients_per_chunk: train the cohort in chunks of this many clients (bounded memory).
-      backend: "vmap" (one jitted round) or "sequential" (reference loop).
+      backend: "vmap" (one jitted round), "sequential" or "stepwise" (reference loops) or
+        "debug" (jit off; errors name the client and the stage).
       client_weights: ``[N]`` overrides pi_n = m_n/m (renormalised over each cohort);
         ``"uniform"`` gives every client the same weight (the unweighted cohort mean).
-      hparams_fn: ``round -> {"lr": ..., "lam": ...}`` overrides per round (traced).
-      init_params: initial model parameters (default: the model's init).
+      hparams_fn: ``round -> {"lr": ..., ...}`` overrides of the algorithm's hyper-parameters (traced).
+      init_params: initial model parameters (default: ``algorithm.init_params``).
       init_server: a whole initial server state (e.g. from ``pretrain``), overriding ``init_params``.
       checkpoint_dir: save after every round and resume from the latest save.
       mesh: a ``jax.sharding.Mesh`` with axis ``'clients'`` (``core.sharding.client_mesh()``):
         clients are sharded over its devices, the server state is replicated.
-      diagnostics: add ``algorithm.diagnostics(server_state)`` (e.g. FOLA's precision
-        statistics) to every round's record; computed outside the round step.
       on_round: called with each round's record (a dict of floats).
       stop_when: called with the records so far after each round; ``True`` ends the run
         early (e.g. ``patience_reached`` for early stopping).
@@ -111,19 +117,22 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
     if mesh is not None:
         from bfedjax.core import sharding
         num_clients = sharding.padded_client_count(fed.num_clients, mesh)
-        k = num_clients if k == fed.num_clients else k  # everyone: padding clients ride along, weight 0
+        k = num_clients if k == fed.num_clients else k  # everyone: the mesh's empty clients ride along, masked
         arrays = sharding.shard_arrays(sharding.pad_clients(arrays, num_clients), mesh)
     config = RoundConfig(num_clients=num_clients, clients_per_round=k, clients_per_chunk=clients_per_chunk,
                          evaluate_local=evaluate_local, pad_cohort_to=mesh.devices.size if mesh is not None else 1)
-    if init_params is None:
-        init_params = zoo.init_params(algorithm.model, fed.input_shape, jax.random.fold_in(key, 0))
+    if init_params is None and init_server is None:
+        if algorithm.init_params is None:
+            raise ValueError(f"{algorithm.name} has no init_params hook; fix: pass simulate(..., init_params=...)")
+        init_params = algorithm.init_params(jax.random.fold_in(key, 0), fed.input_shape)
+    if init_params is None:  # the server state is given; persistent state starts from its global model
+        init_params = algorithm.global_params(init_server)
     state = init_state(algorithm, init_params, num_clients)
     if init_server is not None:
         state = state._replace(server=init_server)
     if mesh is not None:
         state = sharding.shard_state(state, mesh)
     round_step = make_round_step(algorithm, config, backend)
-    diagnose = jax.jit(algorithm.diagnostics) if diagnostics and algorithm.diagnostics else None
 
     history: list[dict] = []
     checkpointer = None
@@ -135,7 +144,12 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
             raise ValueError(f"the checkpoint in {checkpoint_dir} is at round {last} > rounds={rounds}; "
                              "fix: ask for at least that many rounds, or start over (--noresume / a new directory)")
         if last is not None:
-            state, history = checkpointer.restore(last, state)
+            try:
+                state, history = checkpointer.restore(last, state)
+            except Exception as err:  # orbax raises several types for a state of another structure
+                raise ValueError(f"the checkpoint in {checkpoint_dir} (round {last}) does not match {algorithm.name}'s "
+                                 "state: it was written by another algorithm, setting or bfedjax version; fix: start "
+                                 "over (--noresume / a new directory)") from err
             history = history[:last]
     for r in range(len(history) + 1, rounds + 1):
         start = time.perf_counter()
@@ -143,10 +157,9 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
         state, metrics = round_step(state, arrays, jax.random.fold_in(key, r), hparams)
         record = {"round": r, **{k: float(v) for k, v in metrics.items()}}
         record["seconds"] = time.perf_counter() - start
-        if diagnose:
-            record.update({k: float(v) for k, v in diagnose(state.server).items()})
-        record["best_global_accuracy"] = max(record["global_accuracy"],
-                                             history[-1]["best_global_accuracy"] if history else 0.0)
+        if "global_accuracy" in record:
+            record["best_global_accuracy"] = max(record["global_accuracy"],
+                                                 history[-1]["best_global_accuracy"] if history else 0.0)
         history.append(record)
         if checkpointer:
             checkpointer.save(r, state, history)
@@ -157,7 +170,6 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
     if checkpointer:
         checkpointer.close()
     metrics = {k: [h[k] for h in history] for k in history[0]}
-    metrics["best_global_accuracy"] = list(best_so_far(metrics["global_accuracy"]))
     return SimulationResult(algorithm.name, metrics, state)
 
 
@@ -177,7 +189,7 @@ def pretrain(algorithm: Algorithm, x, y, *, epochs: int, key: jax.Array, num_cla
     trains one epoch per round (optimiser state fresh each epoch, as every
     round) for at most ``epochs`` epochs, stopping once the held-out accuracy
     has not improved for ``patience`` epochs and keeping the last weights, as
-    Keras's ``EarlyStopping`` (Fischer et al. D17: 100 epochs, 10% validation,
+    Keras's ``EarlyStopping`` (Fischer et al.'s protocol: 100 epochs, 10% validation,
     patience 10). Returns the server state, to pass as
     ``simulate(..., init_server=...)`` (the DWC protocol starts from it).
     """
@@ -185,16 +197,19 @@ def pretrain(algorithm: Algorithm, x, y, *, epochs: int, key: jax.Array, num_cla
     x, y = np.asarray(x), np.asarray(y)
     if not 0.0 <= validation_fraction < 1.0:
         raise ValueError(f"validation_fraction={validation_fraction} must be in [0, 1), e.g. 0.1")
+    if validation_fraction and algorithm.evaluate is None:
+        raise ValueError(f"early-stopped pre-training scores {algorithm.name} on held-out data; it has no "
+                         "evaluate hook (fix: give the Algorithm evaluate=..., or validation_fraction=0)")
     if validation_fraction == 0.0:
         server_data = stack_clients(x, y, [np.arange(len(y))], x_test=x[:1], y_test=y[:1], num_classes=num_classes)
-        result = simulate(algorithm._replace(local_epochs=epochs), server_data, rounds=1, key=key,
-                          init_params=init_params, evaluate_local=False, diagnostics=False)
+        result = simulate(algorithm.replace(local_epochs=epochs), server_data, rounds=1, key=key,
+                          init_params=init_params, evaluate_local=False)
         return result.state.server
     order = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel()).permutation(len(y))
     n_val = max(1, int(round(validation_fraction * len(y))))
     val, train = order[:n_val], order[n_val:]
     server_data = stack_clients(x, y, [train], x_test=x[val], y_test=y[val], num_classes=num_classes)
     stop = (lambda history: patience_reached(history, patience)) if patience else None
-    result = simulate(algorithm._replace(local_epochs=1), server_data, rounds=epochs, key=key,
-                      init_params=init_params, evaluate_local=False, diagnostics=False, stop_when=stop)
+    result = simulate(algorithm.replace(local_epochs=1), server_data, rounds=epochs, key=key,
+                      init_params=init_params, evaluate_local=False, stop_when=stop)
     return result.state.server

@@ -1,23 +1,38 @@
-"""The types shared by the engine and every algorithm.
+"""The contract between the round engine and an algorithm.
 
-An algorithm is a bundle of pure functions over pytrees (see ``Algorithm``);
-the engine owns vmap, scan, masking, client sampling and chunking.
+An algorithm is a bundle of pure functions over pytrees (``Algorithm``), typed
+with the Protocols below as optax types its transformations: a user's
+function with the same call signature is one. The engine owns vmap, scan,
+masking, cohort sampling, chunking, sharding and evaluation; an algorithm owns
+only its maths.
+
+Shapes: inside ``client_*`` everything is one client's (the engine vmaps);
+``server_update`` sees the cohort's messages stacked as ``[C, ...]`` with
+``weights [C]`` and ``mask [C]``. ``mask`` is 1 for a real client and 0 for a
+padding slot (chunked, sharded or sampled cohorts are padded); ``weights`` is
+how much each real client counts (sums to 1 over the cohort's real clients,
+and is 0 on padding). They are different things: a real client may weigh
+zero, and it still trains and keeps its persistent state; a padding slot
+never counts. Never infer one from the other.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+import dataclasses
+from typing import Any, NamedTuple, Protocol
 
 import jax
+import jax.numpy as jnp
 
 PyTree = Any
-HParams = dict  # traced per-round scalars: {"round", "lr", "lam", ...}
+HParams = dict  # traced per-round scalars: {"round": int32, "lr": float32, ...}
+Metrics = dict  # name -> scalar array
 
 
 class ClientData(NamedTuple):
     """One client's padded data (inside the round every leaf gains ``[C]``).
 
     x: ``[max_n, ...]`` inputs; rows ``>= count`` are padding.
-    y: ``[max_n]`` int32 labels.
+    y: ``[max_n, ...]`` targets (int32 labels for classification).
     count: ``[]`` int32 number of real samples.
     """
 
@@ -27,7 +42,7 @@ class ClientData(NamedTuple):
 
 
 class Batch(NamedTuple):
-    """A masked mini-batch. x: ``[B, ...]``, y: ``[B]``, mask: ``[B]`` float32 (1 real, 0 pad)."""
+    """A masked mini-batch. x: ``[B, ...]``, y: ``[B, ...]``, mask: ``[B]`` float32 (1 real, 0 pad)."""
 
     x: jax.Array
     y: jax.Array
@@ -40,7 +55,7 @@ class ClientContext(NamedTuple):
     server: the broadcast server state.
     persistent: this client's persistent state (``()`` when the algorithm has none).
     data: this client's ``ClientData``.
-    hparams: traced per-round scalars (``round`` counts from 1, ``lr``, ``lam``, ...).
+    hparams: traced per-round scalars (``round`` counts from 1, then the algorithm's own).
     """
 
     server: PyTree
@@ -49,67 +64,170 @@ class ClientContext(NamedTuple):
     hparams: HParams
 
 
-class Algorithm(NamedTuple):
-    """A federated algorithm as pure functions (cf. optax's GradientTransformation).
+# --- the functions an algorithm is made of -------------------------------------------------------
 
-    server_init(params) -> server_state
-    client_init(ctx, key) -> local_state
-    client_step(local_state, batch, ctx, key) -> local_state
-        A step whose batch is entirely padding is discarded by the engine, so a
-        client takes exactly ceil(count / batch_size) steps per epoch.
-    client_final(local_state, ctx) -> (message, new_persistent)
-        ``message`` is a dict holding at least ``"params"`` (the local model).
-    server_update(server_state, messages, weights, hparams) -> server_state
-        ``messages`` leaves are ``[C, ...]``; ``weights`` ``[C]`` sums to 1
-        over the cohort (zero for padding clients of a chunked cohort).
-    global_params(server_state) -> params used for evaluation (GA).
-    persistent_init(params) -> one client's persistent state, or None.
-    diagnostics(server_state) -> dict of scalars ``simulate`` adds to each round's record, or None.
-    client_stats(message) -> stats, and server_from_stats(server_state, stats, hparams) -> server_state:
-        optional; when the rule is a weighted sum of per-client statistics
-        (``server_update == server_from_stats(sum_c w_c client_stats(m_c))``) the
-        engine streams chunked cohorts through a running sum instead of stacking
-        every message, so memory does not grow with the cohort.
 
-    model: the Flax module whose ``apply({"params": p}, x)`` gives logits.
-    local_epochs, batch_size: static local-training shape.
-    hparams: default values of the traced per-round scalars.
+class ServerInitFn(Protocol):
+    def __call__(self, params: PyTree) -> PyTree:
+        """The server state of round 1 from the initial model ``params``."""
+
+
+class ClientInitFn(Protocol):
+    def __call__(self, ctx: ClientContext, key: jax.Array) -> PyTree:
+        """A client's local state at the start of its round."""
+
+
+class ClientStepFn(Protocol):
+    def __call__(self, local: PyTree, batch: Batch, ctx: ClientContext, key: jax.Array) -> PyTree:
+        """One local step on a masked batch; a step on a batch with no real sample is discarded
+        (under vmap the loop runs until the group's largest client is done)."""
+
+
+class ClientFinalFn(Protocol):
+    def __call__(self, local: PyTree, ctx: ClientContext) -> tuple[PyTree, PyTree, Metrics]:
+        """``(message, new_persistent, metrics)`` after local training.
+
+        ``message``: what the client sends (a ``"params"`` entry, the local model, is
+        scored as the round's local metrics when the engine evaluates locals);
+        ``new_persistent``: the client's next persistent state (``()`` if none);
+        ``metrics``: scalars the engine averages over the cohort's real clients.
+        """
+
+
+class ServerUpdateFn(Protocol):
+    def __call__(self, server: PyTree, messages: PyTree, weights: jax.Array, mask: jax.Array, hparams: HParams,
+                 key: jax.Array) -> tuple[PyTree, Metrics]:
+        """``(new server state, server metrics)`` from messages ``[C, ...]``, weights ``[C]``, mask ``[C]``."""
+
+
+class ClientStatsFn(Protocol):
+    def __call__(self, message: PyTree) -> PyTree:
+        """One client's sufficient statistics; the engine forms ``sum_c weights[c] * stats_c``."""
+
+
+class ServerFromStatsFn(Protocol):
+    def __call__(self, server: PyTree, summed_stats: PyTree, mask: jax.Array, hparams: HParams,
+                 key: jax.Array) -> tuple[PyTree, Metrics]:
+        """``(new server state, server metrics)`` from the weighted sum of the cohort's statistics."""
+
+
+class GlobalParamsFn(Protocol):
+    def __call__(self, server: PyTree) -> PyTree:
+        """The global model's parameters (what the evaluate hook scores)."""
+
+
+class PersistentInitFn(Protocol):
+    def __call__(self, params: PyTree) -> PyTree:
+        """One client's initial persistent state (the engine stacks it to ``[N, ...]``)."""
+
+
+class EvaluateFn(Protocol):
+    def __call__(self, params: PyTree, x: jax.Array, y: jax.Array) -> Metrics:
+        """Scalar metrics of a model on a test set ``x [T, ...]``, ``y [T, ...]`` (e.g. accuracy, loss)."""
+
+
+class PredictFn(Protocol):
+    def __call__(self, server: PyTree, x: jax.Array, key: jax.Array, num_samples: int) -> jax.Array:
+        """The final predictive of the global model: class probabilities ``[M, T, K]`` for ``x [T, ...]``."""
+
+
+class InitParamsFn(Protocol):
+    def __call__(self, key: jax.Array, input_shape: tuple[int, ...]) -> PyTree:
+        """Initial model parameters for inputs of one example's shape."""
+
+
+def _server_params(server):
+    return server["params"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Algorithm:
+    """A federated algorithm as pure functions (cf. optax's ``GradientTransformation``).
+
+    Required: ``server_init``, ``client_init``, ``client_step``, ``client_final`` and
+    either ``server_update`` or the pair ``client_stats`` / ``server_from_stats``.
+    With the pair, the aggregation is a weighted sum of per-client statistics
+    (``server_from_stats(sum_c w_c client_stats(m_c))``): the engine derives
+    ``server_update`` from it and streams chunked cohorts into a running sum,
+    so memory does not grow with the cohort.
+
+    Optional hooks:
+      global_params: ``server -> params`` scored by ``evaluate`` (default ``server["params"]``).
+      persistent_init: ``params -> one client's persistent state`` (default: none).
+      evaluate: ``(params, x_test, y_test) -> metrics``; the engine reports the global
+        model's as ``global_<name>`` and the local models' (messages' ``"params"``,
+        weighted) as ``local_<name>``. Default: no evaluation.
+      predict: ``(server, x, key, num_samples) -> probs [M, T, K]``, the final predictive.
+      init_params: ``(key, input_shape) -> params``, used when ``simulate`` gets no
+        ``init_params``.
+    Static fields: ``hparams`` (defaults of the traced per-round scalars; ``round`` is
+    the engine's), ``local_epochs``, ``batch_size``.
     """
 
     name: str
-    model: Any
-    server_init: Callable
-    client_init: Callable
-    client_step: Callable
-    client_final: Callable
-    server_update: Callable
-    global_params: Callable
-    local_epochs: int
-    batch_size: int
-    hparams: dict
-    persistent_init: Callable | None = None
-    diagnostics: Callable | None = None
-    client_stats: Callable | None = None
-    server_from_stats: Callable | None = None
+    server_init: ServerInitFn
+    client_init: ClientInitFn
+    client_step: ClientStepFn
+    client_final: ClientFinalFn
+    server_update: ServerUpdateFn | None = None
+    client_stats: ClientStatsFn | None = None
+    server_from_stats: ServerFromStatsFn | None = None
+    global_params: GlobalParamsFn = _server_params
+    persistent_init: PersistentInitFn | None = None
+    evaluate: EvaluateFn | None = None
+    predict: PredictFn | None = None
+    init_params: InitParamsFn | None = None
+    hparams: dict = dataclasses.field(default_factory=dict)
+    local_epochs: int = 1
+    batch_size: int = 32
 
+    def __post_init__(self):
+        for field in ("server_init", "client_init", "client_step", "client_final"):
+            if not callable(getattr(self, field)):
+                raise TypeError(f"Algorithm {self.name!r}: {field} must be a function, got {getattr(self, field)!r}")
+        pair = (self.client_stats is not None, self.server_from_stats is not None)
+        if pair[0] != pair[1]:
+            raise TypeError(f"Algorithm {self.name!r}: client_stats and server_from_stats go together; give both")
+        if (self.server_update is None) == (not pair[0]):
+            raise TypeError(f"Algorithm {self.name!r}: give server_update or the pair client_stats / "
+                            "server_from_stats (exactly one of the two)")
+        if self.global_params is None:
+            object.__setattr__(self, "global_params", _server_params)
+        if "round" in self.hparams:
+            raise ValueError(f"Algorithm {self.name!r}: 'round' is the engine's hyper-parameter; rename yours")
+        for field in ("local_epochs", "batch_size"):
+            if int(getattr(self, field)) < 1:
+                raise ValueError(f"Algorithm {self.name!r}: {field}={getattr(self, field)} must be >= 1")
 
-def server_update_from_stats(client_stats: Callable, server_from_stats: Callable) -> Callable:
-    """The stacked ``server_update`` of a rule given as summed per-client statistics.
+    @property
+    def streams(self) -> bool:
+        """Whether the aggregation is a weighted sum of ``client_stats`` (chunks can stream)."""
+        return self.client_stats is not None
 
-    The sum runs as a ``lax.scan`` over clients, so per-client statistics
-    (e.g. precision * mean) are fused into the accumulation and never
-    materialised as ``[C, ...]`` arrays.
-    """
+    def aggregate(self, server, messages, weights, mask, hparams, key):
+        """``(server, server_metrics)``: ``server_update``, or the one derived from the statistics pair.
 
-    def server_update(server, messages, weights, hparams):
+        The derived sum runs as a ``lax.scan`` over clients, so per-client
+        statistics (e.g. precision * mean) are fused into the accumulation and
+        never materialised as ``[C, ...]`` arrays.
+        """
+        if self.server_update is not None:
+            return self.server_update(server, messages, weights, mask, hparams, key)
         first = jax.tree.map(lambda m: m[0], messages)
-        zeros = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), jax.eval_shape(client_stats, first))
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(self.client_stats, first))
 
         def add(total, message_and_weight):
             message, weight = message_and_weight
-            return jax.tree.map(lambda t, s: t + weight * s, total, client_stats(message)), None
+            return jax.tree.map(lambda t, s: t + weight * s, total, self.client_stats(message)), None
 
         total, _ = jax.lax.scan(add, zeros, (messages, weights))
-        return server_from_stats(server, total, hparams)
+        return self.server_from_stats(server, total, mask, hparams, key)
 
-    return server_update
+    def replace(self, **changes) -> "Algorithm":
+        """A copy with some fields changed (``dataclasses.replace``)."""
+        return dataclasses.replace(self, **changes)
+
+
+__all__ = ["Algorithm", "Batch", "ClientContext", "ClientData", "ClientFinalFn", "ClientInitFn", "ClientStatsFn",
+           "ClientStepFn", "EvaluateFn", "GlobalParamsFn", "HParams", "InitParamsFn", "Metrics", "PersistentInitFn",
+           "PredictFn", "PyTree", "ServerFromStatsFn", "ServerInitFn", "ServerUpdateFn"]

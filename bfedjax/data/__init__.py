@@ -1,6 +1,6 @@
 """Data sets and client partitioning for federated experiments."""
 
-from bfedjax.data.sources import Dataset, DataUnavailableError, available, load
+from bfedjax.data.sources import DATASETS, PIXELS, Dataset, DataUnavailableError, available, load
 from bfedjax.data.partition import (
     PARTITIONERS,
     class_groups,
@@ -16,6 +16,6 @@ from bfedjax.data.partition import (
 from bfedjax.data.federated import FederatedData, from_partition, stack_clients
 from bfedjax.data.augment import AUGMENTATIONS, augmented, random_shift_flip
 
-__all__ = ["Dataset", "DataUnavailableError", "available", "load", "PARTITIONERS", "class_groups", "describe",
+__all__ = ["DATASETS", "PIXELS", "Dataset", "DataUnavailableError", "available", "load", "PARTITIONERS", "class_groups", "describe",
            "dirichlet_per_class", "dirichlet_per_client", "iid", "partition", "power_law", "shards", "single_class",
            "FederatedData", "from_partition", "stack_clients", "AUGMENTATIONS", "augmented", "random_shift_flip"]

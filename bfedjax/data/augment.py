@@ -1,4 +1,4 @@
-"""Mini-batch augmentation inside the jitted round (Fischer et al. spec D19 for CIFAR-10).
+"""Mini-batch augmentation inside the jitted round (Fischer et al.'s CIFAR-10 shifts and flips).
 
 ``random_shift_flip`` shifts every image by a random whole number of pixels
 (up to ``max_shift`` of its height and width, the Keras ``width_shift_range`` /
@@ -62,4 +62,4 @@ def augmented(algorithm: Algorithm, augment: AugmentFn) -> Algorithm:
         k_augment, k_step = jax.random.split(key)
         return inner_step(local, batch._replace(x=augment(batch.x, k_augment)), ctx, k_step)
 
-    return algorithm._replace(client_step=client_step)
+    return algorithm.replace(client_step=client_step)

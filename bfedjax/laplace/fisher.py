@@ -23,29 +23,18 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from bfedjax.core.batching import ordered_pass
-from bfedjax.core.tree import tree_zeros_like
 from bfedjax.core.types import Batch, ClientData
+from bfedjax.losses import cross_entropy, masked_mean, masked_mean_cross_entropy
+from bfedjax.tree import tree_zeros_like
 
-ESTIMATORS = ("batch_mean_sq", "per_sample_sq", "alg1_raw")
-
-
-def masked_mean_cross_entropy(apply_fn: Callable, params, batch: Batch) -> jax.Array:
-    """Mean softmax cross-entropy over the real samples of ``batch`` (a scalar)."""
-    return _masked_mean_ce(apply_fn(params, batch.x), batch)
-
-
-def _masked_mean_ce(logits, batch: Batch) -> jax.Array:
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch.y)
-    return jnp.sum(losses * batch.mask) / jnp.maximum(jnp.sum(batch.mask), 1.0)
+FISHER_ESTIMATORS = ("batch_mean_sq", "per_sample_sq", "alg1_raw")
 
 
 def _ce_one(apply_fn, params, x, y):
     """Cross-entropy of a single example ``x`` (no batch axis)."""
-    logits = apply_fn(params, x[None])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y[None])[0]
+    return cross_entropy(apply_fn(params, x[None]), y[None])[0]
 
 
 def per_example_grads(apply_fn, params, batch: Batch):
@@ -57,7 +46,7 @@ def per_example_grads(apply_fn, params, batch: Batch):
     return losses, grads
 
 
-def grad_and_fisher(apply_fn: Callable, params, batch: Batch, num_samples: jax.Array, estimator: str | None):
+def grad_and_fisher(apply_fn: Callable, params, batch: Batch, num_samples: jax.Array, fisher_estimator: str | None):
     """Training gradient and Fisher increment of one batch.
 
     Args:
@@ -65,35 +54,35 @@ def grad_and_fisher(apply_fn: Callable, params, batch: Batch, num_samples: jax.A
       params: model parameters (pytree).
       batch: masked ``Batch``.
       num_samples: ``[]`` the client's real sample count ``m``.
-      estimator: one of ``ESTIMATORS`` or ``None`` (no Fisher).
+      fisher_estimator: one of ``FISHER_ESTIMATORS`` or ``None`` (no Fisher).
     Returns:
-      ``(loss, grad, increment)``; ``increment`` is ``None`` when ``estimator`` is None.
+      ``(loss, grad, increment)``; ``increment`` is ``None`` when ``fisher_estimator`` is None.
     """
     n_batch = jnp.maximum(jnp.sum(batch.mask), 1.0)
     m = jnp.maximum(num_samples.astype(jnp.float32), 1.0)
-    if estimator == "per_sample_sq":
+    if fisher_estimator == "per_sample_sq":
         losses, grads = per_example_grads(apply_fn, params, batch)
         loss = jnp.sum(losses * batch.mask) / n_batch
         grad = jax.tree.map(lambda g: jnp.sum(g, axis=0) / n_batch, grads)
         increment = jax.tree.map(lambda g: jnp.sum(jnp.square(g), axis=0) / m, grads)
         return loss, grad, increment
     loss, grad = jax.value_and_grad(masked_mean_cross_entropy, argnums=1)(apply_fn, params, batch)
-    return loss, grad, increment_from_batch_grad(grad, batch, m, estimator)
+    return loss, grad, increment_from_batch_grad(grad, batch, m, fisher_estimator)
 
 
-def increment_from_batch_grad(grad, batch: Batch, m, estimator: str | None):
+def increment_from_batch_grad(grad, batch: Batch, m, fisher_estimator: str | None):
     """Fisher increment of the estimators that square the batch gradient (``None`` without one)."""
-    if estimator is None:
+    if fisher_estimator is None:
         return None
-    if estimator == "batch_mean_sq":
+    if fisher_estimator == "batch_mean_sq":
         return jax.tree.map(lambda g: (jnp.sum(batch.mask) / m) * jnp.square(g), grad)
-    if estimator == "alg1_raw":
+    if fisher_estimator == "alg1_raw":
         return jax.tree.map(jnp.square, grad)
-    raise ValueError(f"unknown Fisher estimator {estimator!r}; choose one of {ESTIMATORS}")
+    raise ValueError(f"unknown Fisher estimator {fisher_estimator!r}; choose one of {FISHER_ESTIMATORS}")
 
 
 def train_mode_grad_and_fisher(train_apply: Callable, params, batch: Batch, num_samples: jax.Array,
-                               estimator: str | None, key: jax.Array):
+                               fisher_estimator: str | None, key: jax.Array):
     """``grad_and_fisher`` for models with BatchNorm or dropout.
 
     Args:
@@ -105,20 +94,21 @@ def train_mode_grad_and_fisher(train_apply: Callable, params, batch: Batch, num_
     Raises:
       ValueError: for ``per_sample_sq``, whose per-example passes have no batch statistics.
     """
-    if estimator == "per_sample_sq":
+    if fisher_estimator == "per_sample_sq":
         raise ValueError("fisher='per_sample_sq' needs a model without BatchNorm or dropout; "
                          "use 'batch_mean_sq' or 'alg1_raw'")
 
     def loss_fn(p):
         logits, updated = train_apply(p, batch.x, batch.mask, key)
-        return _masked_mean_ce(logits, batch), updated
+        return masked_mean(cross_entropy(logits, batch.y), batch.mask), updated
 
     (loss, updated), grad = jax.value_and_grad(loss_fn, has_aux=True)(params)
     m = jnp.maximum(num_samples.astype(jnp.float32), 1.0)
-    return loss, grad, increment_from_batch_grad(grad, batch, m, estimator), updated
+    return loss, grad, increment_from_batch_grad(grad, batch, m, fisher_estimator), updated
 
 
-def offline_fisher(apply_fn: Callable, params, data: ClientData, batch_size: int, estimator: str = "batch_mean_sq"):
+def offline_fisher(apply_fn: Callable, params, data: ClientData, batch_size: int,
+                   fisher_estimator: str = "batch_mean_sq"):
     """Diagonal Fisher from one ordered pass over a client's data at fixed ``params``.
 
     This is the offline estimate (FOLA Eq. 21 for ``per_sample_sq``; the
@@ -127,7 +117,7 @@ def offline_fisher(apply_fn: Callable, params, data: ClientData, batch_size: int
     """
 
     def accumulate(fisher, batch):
-        _, _, inc = grad_and_fisher(apply_fn, params, batch, data.count, estimator)
+        _, _, inc = grad_and_fisher(apply_fn, params, batch, data.count, fisher_estimator)
         return jax.tree.map(jnp.add, fisher, inc)
 
     return ordered_pass(accumulate, tree_zeros_like(params), data, batch_size)

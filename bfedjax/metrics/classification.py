@@ -5,43 +5,36 @@ import math
 
 import jax
 import jax.numpy as jnp
-import optax
+
+from bfedjax.losses import cross_entropy
 
 
 def padded_batches(x, y, batch_size: int):
-    """Reshapes ``x [T, ...]``, ``y [T]`` to ``[nb, b, ...]`` plus a ``[nb, b]`` mask."""
+    """Reshapes ``x [T, ...]``, ``y [T, ...]`` to ``[nb, b, ...]`` plus a ``[nb, b]`` mask."""
     t = y.shape[0]
     b = min(batch_size, t)
     nb = math.ceil(t / b)
     pad = nb * b - t
     xp = jnp.concatenate([x, jnp.zeros((pad,) + x.shape[1:], x.dtype)]) if pad else x
-    yp = jnp.concatenate([y, jnp.zeros((pad,), y.dtype)]) if pad else y
+    yp = jnp.concatenate([y, jnp.zeros((pad,) + y.shape[1:], y.dtype)]) if pad else y
     mask = (jnp.arange(nb * b) < t).astype(jnp.float32)
-    return xp.reshape((nb, b) + x.shape[1:]), yp.reshape(nb, b), mask.reshape(nb, b)
+    return xp.reshape((nb, b) + x.shape[1:]), yp.reshape((nb, b) + y.shape[1:]), mask.reshape(nb, b)
 
 
-def evaluate(apply_fn, params, x, y, batch_size: int = 1000):
-    """Accuracy and mean cross-entropy of ``params`` on ``x [T, ...]``, ``y [T]`` (two scalars)."""
+def evaluate(apply_fn, params, x, y, batch_size: int = 1000) -> dict:
+    """``{"accuracy", "loss"}``: top-1 accuracy and mean cross-entropy of ``params`` on ``x [T, ...]``, ``y [T]``."""
     xb, yb, mb = padded_batches(x, y, batch_size)
 
     def one(args):
         xi, yi, mi = args
         logits = apply_fn(params, xi)
         correct = jnp.sum((jnp.argmax(logits, -1) == yi) * mi)
-        loss = jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, yi) * mi)
+        loss = jnp.sum(cross_entropy(logits, yi) * mi)
         return correct, loss
 
     correct, loss = jax.lax.map(one, (xb, yb, mb))
     t = y.shape[0]
-    return jnp.sum(correct) / t, jnp.sum(loss) / t
-
-
-def evaluate_many(apply_fn, stacked_params, x, y, batch_size: int = 1000):
-    """``evaluate`` for each of ``C`` stacked models (leaves ``[C, ...]``), one after another.
-
-    Returns accuracies ``[C]`` and losses ``[C]``.
-    """
-    return jax.lax.map(lambda p: evaluate(apply_fn, p, x, y, batch_size), stacked_params)
+    return {"accuracy": jnp.sum(correct) / t, "loss": jnp.sum(loss) / t}
 
 
 def accuracy(logits, labels):

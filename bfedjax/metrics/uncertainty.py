@@ -21,7 +21,7 @@ def accuracy(p_bar, y):
 
 
 def nll(p_bar, y):
-    """Mean over test points of -log p_bar[y] (spec D9)."""
+    """Mean over test points of -log p_bar[y] (of the MC-averaged predictive, not the mean per-sample NLL)."""
     return -jnp.mean(jnp.log(jnp.take_along_axis(p_bar, y[:, None], -1)[:, 0] + _TINY))
 
 

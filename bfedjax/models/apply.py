@@ -6,7 +6,7 @@ The engine carries one pytree per model, called ``params`` everywhere:
 * for a model with BatchNorm (``uses_batch_stats = True``, e.g. ``ResNet20``)
   it is the whole variables dict ``{"params": ..., "batch_stats": ...}``, so the
   running statistics are stacked, vmapped and averaged by the server like any
-  other deterministic leaf (Fischer et al. spec, D3).
+  other deterministic leaf (Fischer et al. keep normalisation layers deterministic).
 
 Models with BatchNorm or dropout take keyword arguments
 ``train`` (BatchNorm uses and updates batch statistics), ``dropout`` (dropout

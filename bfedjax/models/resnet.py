@@ -7,13 +7,13 @@ Depth 6n + 2 with n = 3::
         stride 2 in the first block of stages 2 and 3
         block: conv3x3 -> BN -> ReLU -> conv3x3 -> BN -> (+ shortcut) -> ReLU
         shortcut: identity, or (where the shape changes) a 1x1 conv + BN
-        ("projection", spec D19 default) or zero-padded subsampling ("pad", He et al. option A)
+        ("projection", the default) or zero-padded subsampling ("pad", He et al. option A)
     global average pool -> Dense(num_classes)
 
 Input ``[B, 32, 32, C]`` (any spatial size works); output logits ``[B, num_classes]``.
 Convolutions have no bias (BatchNorm follows each) and He-normal kernels.
 
-MC dropout (spec D20): with ``dropout_rate > 0`` a dropout layer follows every
+MC dropout: with ``dropout_rate > 0`` a dropout layer follows every
 convolution (3x3 and 1x1 projections; ``dropout_on_projections=False``
 excludes the latter), and with ``dropout_on_logits`` also the output layer.
 Call with ``train=True`` to use batch statistics (and dropout), with

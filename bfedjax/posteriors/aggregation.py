@@ -1,9 +1,13 @@
 """Aggregation rules over stacked diagonal-Gaussian posteriors.
 
 Every rule is a pure function of client posteriors stacked on a leading axis
-``[C, ...]`` and client weights ``[C]`` (non-negative; the engine passes
-weights summing to one over the cohort, zero for padding clients, which every
-rule ignores). Algorithms call these rules; they never re-implement them.
+``[C, ...]``, client weights ``[C]`` (non-negative; the engine passes weights
+summing to one over the cohort's real clients) and an optional cohort mask
+``[C]`` (1 for a real client, 0 for a padding slot; ``None``: all real).
+Padding slots never count. The rules that ignore weights (conflation) or count
+clients (DWC's K) read the mask and never infer it from the weights: a real
+client may weigh zero. Algorithms call these rules; they never re-implement
+them.
 
 FOLA (Liu et al.): ``gaussian_product`` (Eq. 12), ``moment_matched_mixture``
 (Eqs. 5-7), ``weighted_mean`` (Eq. 6).
@@ -12,15 +16,25 @@ Fischer et al. section 2.5, elementwise on (mean, variance), all in
 ``linear_pool`` (LP, Eqs. 12-14), ``conflation`` (IV, Eq. 15),
 ``weighted_conflation`` (WC, Eq. 16), ``log_linear_pool`` (LLP),
 ``centered_linear_pool`` (CLP) and ``distributed_weight_consolidation`` (DWC,
-Eq. 17, with the guard of spec D17).
+Eq. 17, with a guard where its precision is not positive).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from bfedjax.core.tree import weighted_sum
 from bfedjax.posteriors.gaussian import DiagGaussian
+from bfedjax.tree import weighted_sum
+
+
+def _real(weights, mask):
+    """The cohort mask as float32 ``[C]`` (all ones when ``mask`` is None)."""
+    return jnp.ones_like(weights, jnp.float32) if mask is None else jnp.asarray(mask, jnp.float32)
+
+
+def _masked(weights, mask):
+    """Weights with padding slots zeroed."""
+    return weights if mask is None else jnp.where(jnp.asarray(mask) > 0, weights, 0.0)
 
 
 def weighted_mean(stacked_params, weights: jax.Array):
@@ -76,7 +90,8 @@ def moment_matched_mixture(stacked: DiagGaussian, weights: jax.Array) -> DiagGau
 # --- Fischer et al. (section 2.5): elementwise rules on (mean, variance) ---
 
 
-def _normalised(weights):
+def _normalised(weights, mask=None):
+    weights = _masked(weights, mask)
     return weights / jnp.sum(weights)
 
 
@@ -84,9 +99,9 @@ def _variance(stacked: DiagGaussian):
     return jax.tree.map(lambda p: 1.0 / p, stacked.precision)
 
 
-def nwa(stacked: DiagGaussian, weights) -> DiagGaussian:
+def nwa(stacked: DiagGaussian, weights, *, mask=None) -> DiagGaussian:
     """Naive weighted averaging (Eq. 10): mean and variance both averaged with the weights."""
-    w = _normalised(weights)
+    w = _normalised(weights, mask)
     mean = weighted_sum(stacked.mean, w)
     variance = weighted_sum(_variance(stacked), w)
     return DiagGaussian(mean, jax.tree.map(lambda v: 1.0 / v, variance))
@@ -95,35 +110,36 @@ def nwa(stacked: DiagGaussian, weights) -> DiagGaussian:
 centered_linear_pool = nwa  # the paper: NWA "is equal to the Centered Linear Pool"
 
 
-def weighted_sum_of_normals(stacked: DiagGaussian, weights) -> DiagGaussian:
+def weighted_sum_of_normals(stacked: DiagGaussian, weights, *, mask=None) -> DiagGaussian:
     """WS (Eq. 11): the law of sum_k w_k theta_k for independent theta_k: variance sum_k w_k^2 sigma_k^2."""
-    w = _normalised(weights)
+    w = _normalised(weights, mask)
     mean = weighted_sum(stacked.mean, w)
     variance = weighted_sum(_variance(stacked), jnp.square(w))
     return DiagGaussian(mean, jax.tree.map(lambda v: 1.0 / v, variance))
 
 
-def linear_pool(stacked: DiagGaussian, weights) -> DiagGaussian:
+def linear_pool(stacked: DiagGaussian, weights, *, mask=None) -> DiagGaussian:
     """LP (Eqs. 12-14): the moment-matched mixture sum_k w_k N(mu_k, sigma_k^2)."""
-    return moment_matched_mixture(stacked, weights)
+    return moment_matched_mixture(stacked, _masked(weights, mask))
 
 
-def conflation(stacked: DiagGaussian, weights) -> DiagGaussian:
-    """Conflation / inverse-variance weighting (Eq. 15): the normalised product of all clients.
+def conflation(stacked: DiagGaussian, weights, *, mask=None) -> DiagGaussian:
+    """Conflation / inverse-variance weighting (Eq. 15): the normalised product of every real client.
 
-    Client weights are ignored except that zero-weight (padding) clients are left out.
+    Client weights are ignored: each real client (``mask``; ``None``: every stacked client) counts
+    once, whatever its weight.
     """
-    return gaussian_product(stacked, (weights > 0).astype(jnp.float32))
+    return gaussian_product(stacked, _real(weights, mask))
 
 
-def log_linear_pool(stacked: DiagGaussian, weights) -> DiagGaussian:
+def log_linear_pool(stacked: DiagGaussian, weights, *, mask=None) -> DiagGaussian:
     """LLP: normalised weighted geometric mean prod_k q_k^{w_k}; precision sum_k w_k / sigma_k^2."""
-    return gaussian_product(stacked, _normalised(weights))
+    return gaussian_product(stacked, _normalised(weights, mask))
 
 
-def weighted_conflation(stacked: DiagGaussian, weights) -> DiagGaussian:
+def weighted_conflation(stacked: DiagGaussian, weights, *, mask=None) -> DiagGaussian:
     """WC (Eq. 16): LLP's mean, variance w_max / sum_k (w_k / sigma_k^2)."""
-    w = _normalised(weights)
+    w = _normalised(weights, mask)
     pooled = gaussian_product(stacked, w)
     return DiagGaussian(pooled.mean, jax.tree.map(lambda p: p / jnp.max(w), pooled.precision))
 
@@ -132,11 +148,13 @@ DWC_GUARDS = ("conflation", "floor", "none")
 
 
 def distributed_weight_consolidation(stacked: DiagGaussian, weights, prior: DiagGaussian, guard: str = "conflation",
-                                     floor_ratio: float = 1.0):
+                                     floor_ratio: float = 1.0, mask=None):
     """DWC (Eq. 17): q_g proportional to prod_k q_k / q_prior^(K-1).
 
     precision = sum_k 1/sigma_k^2 - (K-1)/sigma_prior^2 and the matching mean.
-    K counts the clients with positive weight. Guards (spec D17):
+    K counts the real clients (``mask``; Eq. 17 gives every client the same
+    power, so ``weights`` are not used). Guards where that precision is not
+    positive (the spec recommends the conflation fallback):
 
     * ``"conflation"`` (default): where that precision is not positive, the
       coordinate falls back to Conflation.
@@ -150,7 +168,7 @@ def distributed_weight_consolidation(stacked: DiagGaussian, weights, prior: Diag
     """
     if guard not in DWC_GUARDS:
         raise ValueError(f"DWC guard={guard!r}; choose one of {DWC_GUARDS}")
-    real = (weights > 0).astype(jnp.float32)
+    real = _real(weights, mask)  # Eq. 17 gives every real client power 1, whatever its weight
     k = jnp.sum(real)
     conf = gaussian_product(stacked, real)
     stats = weighted_sum(jax.vmap(gaussian_product_stats)(stacked), real)
@@ -187,15 +205,18 @@ RULES = {
     "llp": log_linear_pool,
     "clp": centered_linear_pool,
 }
-"""Rules taking ``(stacked, weights)``; DWC also needs the previous global posterior (see ``aggregate``)."""
+"""Rules taking ``(stacked, weights, mask=None)``; DWC also needs the previous global posterior (see ``aggregate``)."""
 
 
-def aggregate(rule: str, stacked: DiagGaussian, weights, prior: DiagGaussian | None = None) -> DiagGaussian:
-    """Applies the named rule (``RULES`` or ``"dwc"``, which needs ``prior``)."""
+def aggregate(rule: str, stacked: DiagGaussian, weights, *, mask=None, prior: DiagGaussian | None = None) -> DiagGaussian:
+    """Applies the named rule (``RULES`` or ``"dwc"``, which needs ``prior``) to the real clients ``mask``.
+
+    ``mask=None`` counts every stacked client as real: pass the cohort mask whenever slots are padding.
+    """
     if rule == "dwc":
         if prior is None:
             raise ValueError("rule 'dwc' needs the previous global posterior: pass prior=...")
-        return distributed_weight_consolidation(stacked, weights, prior)[0]
+        return distributed_weight_consolidation(stacked, weights, prior, mask=mask)[0]
     if rule not in RULES:
         raise ValueError(f"unknown aggregation rule {rule!r}; choose one of {sorted(RULES) + ['dwc']}")
-    return RULES[rule](stacked, weights)
+    return RULES[rule](stacked, weights, mask=mask)

@@ -75,7 +75,7 @@ def softplus_inverse(x):
 
 
 def scale_to_rho(scale, eps: float = FLOAT32_EPS, scale_min: float = 1e-6):
-    """Inverse of ``rho_to_scale`` with sigma floored at ``scale_min`` (Fischer spec D2).
+    """Inverse of ``rho_to_scale`` with sigma floored at ``scale_min`` (an aggregated scale can underflow).
 
     Returns ``(rho, floor_hits)``; ``floor_hits`` counts the coordinates that were floored.
     """

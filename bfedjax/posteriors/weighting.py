@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from bfedjax.posteriors.gaussian import DiagGaussian, kl_divergence
 
 KL_FLOOR = 1e-12
-WEIGHTINGS = ("equal", "train_size", "max_discrepancy", "distance")
+WEIGHTINGS = ("uniform", "by_size", "max_discrepancy", "distance")
 
 
 def _normalise(gamma, mask):
@@ -19,14 +19,14 @@ def _normalise(gamma, mask):
     return gamma / jnp.sum(gamma)
 
 
-def equal(num_clients: int, mask=None):
-    """Eq. 18: 1/K."""
+def uniform(num_clients: int, mask=None):
+    """Eq. 18 ("equal"): 1/K over the K real clients."""
     mask = jnp.ones(num_clients) if mask is None else mask
     return _normalise(jnp.ones(num_clients), mask)
 
 
-def train_size(counts, mask=None):
-    """Eq. 19: |D_k| / |D|."""
+def by_size(counts, mask=None):
+    """Eq. 19 ("train size"): |D_k| / |D|."""
     counts = jnp.asarray(counts, jnp.float32)
     return _normalise(counts, jnp.ones_like(counts) if mask is None else mask)
 
@@ -42,7 +42,7 @@ def pairwise_kl(stacked: DiagGaussian) -> jax.Array:
 def max_discrepancy(stacked: DiagGaussian, mask=None, literal: bool = False):
     """Eq. 20 (Koliander et al.).
 
-    Default (spec D15): gamma_k = 1 / max_{j != k} KL[q_k || q_j] (floored), so
+    Default (the spec's reading): gamma_k = 1 / max_{j != k} KL[q_k || q_j] (floored), so
     clients far from the others weigh less. ``literal=True``: the equation as
     printed with j != k, gamma_k = max_{j != k} 1 / KL[q_k || q_j].
     """

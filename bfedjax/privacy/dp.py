@@ -5,8 +5,8 @@ One private step on a masked batch of ``n`` real examples:
     g_b  = grad of example b's cross-entropy                  (vmap over the batch)
     g~   = (sum_b g_b * min(1, C / ||g_b||) + N(0, sigma^2 C^2 I)) / n
 
-(FedReg spec D12: noise on the clipped sum at every local step, divided by
-the batch's real size; a regulariser's gradient, e.g. FedProx's, is added
+(as the FedReg authors run it: noise on the clipped sum at every local step,
+divided by the batch's real size; a regulariser's gradient, e.g. FedProx's, is added
 after, un-noised). ``sigma`` is the noise multiplier, ``C`` the clip norm.
 
 Privacy spent is computed by Google's ``dp_accounting`` RDP accountant,
@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from bfedjax.core.types import Batch
 from bfedjax.laplace.fisher import per_example_grads
+from bfedjax.optional import require
 
 RDP_ORDERS = tuple(range(2, 257))  # integer Renyi orders (fractional ones need a slow, noisy series)
 
@@ -80,7 +81,7 @@ def dp_epsilon(noise_multiplier: float, sampling_rate: float, steps: int, delta:
         return math.inf
     if steps <= 0:
         return 0.0
-    import dp_accounting
+    dp_accounting = require("dp_accounting")
     from dp_accounting import rdp
     accountant = rdp.RdpAccountant(orders=RDP_ORDERS)
     event = dp_accounting.PoissonSampledDpEvent(min(1.0, sampling_rate), dp_accounting.GaussianDpEvent(noise_multiplier))

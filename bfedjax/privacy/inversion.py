@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from bfedjax.optional import require
+
 DISTANCES = ("l2", "cosine")
 
 
@@ -141,6 +143,7 @@ def save_reconstruction_png(path: str | pathlib.Path, originals, reconstructions
                             psnrs: dict[str, jax.Array] | None = None, title: str | None = None) -> pathlib.Path:
     """Write a PNG grid: the ``originals [N, H, W(, C)]`` on top, then one row per method
     (labelled by its name), each image titled with its PSNR in dB when ``psnrs[method]`` is given."""
+    require("matplotlib")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

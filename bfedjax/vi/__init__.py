@@ -1,5 +1,5 @@
 """Mean-field variational inference on NumPyro for federated clients (Flipout or reparameterisation)."""
 from bfedjax.vi.flipout import flipout_apply, flipout_interceptor
-from bfedjax.vi.meanfield import ESTIMATORS, MeanFieldConfig, MeanFieldVI
+from bfedjax.vi.meanfield import GRADIENT_ESTIMATORS, MeanFieldConfig, MeanFieldVI
 
-__all__ = ["ESTIMATORS", "MeanFieldConfig", "MeanFieldVI", "flipout_apply", "flipout_interceptor"]
+__all__ = ["GRADIENT_ESTIMATORS", "MeanFieldConfig", "MeanFieldVI", "flipout_apply", "flipout_interceptor"]

@@ -11,7 +11,7 @@ with ``s_in`` ``[B, 1.., C_in]`` and ``s_out`` ``[B, 1.., C_out]`` independent
 convolutions, as TFP's Flipout layers do). Each example's output has the same
 marginal as with its own weight sample, but the gradient variance across a
 mini-batch is lower than when every example shares one sample (Fischer et
-al. spec D21: Flipout is the default estimator).
+al.'s TFP layers use Flipout, and it is the library's default estimator).
 
 The layers are left untouched: ``flipout_interceptor`` wraps every
 ``nn.Dense`` / ``nn.Conv`` call through ``flax.linen.intercept_methods``, so

@@ -5,16 +5,17 @@ module (``random_flax_module``); an ``AutoNormal`` guide holds one
 N(loc, scale) per weight (scale stored as softplus^-1, the paper's rho);
 ``TraceMeanField_ELBO`` uses the analytic Gaussian KL. Gradients of the
 expected log-likelihood come from Flipout on every variational dense/conv
-kernel by default (``vi.flipout``; spec D21), or from plain
-reparameterisation (one weight sample shared by the batch) with
-``estimator="reparameterization"``. The likelihood of a
+kernel by default (``vi.flipout``; the spec's recommendation, as Fischer et
+al.'s TFP layers), or from plain reparameterisation (one weight sample shared
+by the batch) with ``gradient_estimator="reparameterization"``. The likelihood of a
 masked mini-batch is scaled by ``count / n_batch``, so one SVI step minimises
-``|D_k| * (mean-batch CE) + KL`` = ``|D_k| * (CE + KL / |D_k|)`` (spec D5; with
-Adam the constant factor does not change the steps).
+``|D_k| * (mean-batch CE) + KL`` = ``|D_k| * (CE + KL / |D_k|)`` (the KL scaled
+by 1/|D_k| as the paper's loss; with Adam the constant factor does not change
+the steps).
 
 Posteriors cross the wire as a pair of parameter pytrees ``{"params": loc,
 "scale": scale}``; deterministic leaves (biases and normalisation layers by
-default, spec D3) carry their value in ``params`` and scale 0. Only
+default) carry their value in ``params`` and scale 0. Only
 ``kernel`` leaves are variational unless ``variational_biases``.
 
 Models with BatchNorm (``models.apply``, e.g. ResNet-20): ``params`` is the
@@ -43,7 +44,7 @@ from bfedjax.vi.flipout import flipout_apply
 
 NET = "net"
 STATE = f"{NET}$state"
-ESTIMATORS = ("flipout", "reparameterization")
+GRADIENT_ESTIMATORS = ("flipout", "reparameterization")
 
 
 def _path_name(path: tuple) -> str:
@@ -51,7 +52,7 @@ def _path_name(path: tuple) -> str:
 
 
 def _is_variational(path: tuple, variational_biases: bool) -> bool:
-    """Kernels always; biases only on option and never those of normalisation layers (spec D3)."""
+    """Kernels always; biases only on option and never those of normalisation layers."""
     if path[-1] == "kernel":
         return True
     return variational_biases and path[-1] == "bias" and not any("Norm" in str(p) for p in path[:-1])
@@ -59,15 +60,15 @@ def _is_variational(path: tuple, variational_biases: bool) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class MeanFieldConfig:
-    """prior_scale: std of the N(0, prior_scale^2) prior (spec D6: variance 100 -> 10).
-    init_scale: initial posterior std (softplus(-3) ~ 0.0486, spec D4).
+    """prior_scale: std of the N(0, prior_scale^2) prior (the paper's variance 100: std 10).
+    init_scale: initial posterior std (softplus(-3) ~ 0.0486, TFP's default rho of -3).
     variational_biases: put a prior and a posterior on dense/conv biases too (default: point
       estimates); normalisation layers stay deterministic.
     train_samples / test_samples: MC samples of the ELBO and of the predictive.
-    learning_rate: Adam step (spec D7: 1e-3, fresh state every round).
-    estimator: ``"flipout"`` (spec D21 default: per-example sign-flipped kernel noise in
-      every dense and conv layer; variational biases are sampled once per pass) or
-      ``"reparameterization"`` (one weight sample shared by the whole batch).
+    learning_rate: Adam step (the paper's 1e-3, fresh state every round).
+    gradient_estimator: of the expected log-likelihood: ``"flipout"`` (default: per-example
+      sign-flipped kernel noise in every dense and conv layer; variational biases are sampled
+      once per pass) or ``"reparameterization"`` (one weight sample shared by the whole batch).
     """
 
     prior_scale: float = 10.0
@@ -76,11 +77,11 @@ class MeanFieldConfig:
     train_samples: int = 1
     test_samples: int = 10
     learning_rate: float = 1e-3
-    estimator: str = "flipout"
+    gradient_estimator: str = "flipout"
 
     def __post_init__(self):
-        if self.estimator not in ESTIMATORS:
-            raise ValueError(f"estimator={self.estimator!r}; choose one of {ESTIMATORS}")
+        if self.gradient_estimator not in GRADIENT_ESTIMATORS:
+            raise ValueError(f"gradient_estimator={self.gradient_estimator!r}; choose one of {GRADIENT_ESTIMATORS}")
 
 
 class MeanFieldVI:
@@ -116,7 +117,7 @@ class MeanFieldVI:
             prior = {name: dist.Normal(flat_loc[path], flat_scale[path]) for name, path in self._sites.items()}
         net = random_flax_module(NET, self.module, prior=prior, input_shape=(1,) + self.input_shape,
                                  mutable=["batch_stats"] if self.stateful else None)
-        if self.config.estimator == "flipout":
+        if self.config.gradient_estimator == "flipout":
             net = self._flipout(net)
         logits = net(x, train=True, mask=mask) if self.train_mode else net(x)
         n_batch = jnp.maximum(jnp.sum(mask), 1.0)

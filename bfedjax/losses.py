@@ -1,0 +1,46 @@
+"""Losses of masked mini-batches (jax only: importing this loads no optimiser or network library).
+
+A ``Batch`` holds ``x [B, ...]``, ``y [B]`` and ``mask [B]`` (1 for a real
+sample, 0 for a padding row); every mean here is over the real rows only.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Per-example softmax cross-entropy ``logsumexp(logits) - logits[label]``.
+
+    Args:
+      logits: ``[..., K]`` floats.
+      labels: ``[...]`` integer classes.
+    Returns:
+      ``[...]`` losses.
+    """
+    label_logits = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+    return jax.nn.logsumexp(logits, axis=-1) - label_logits
+
+
+def masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
+    """Mean of ``values [B]`` over the rows where ``mask [B]`` is 1 (0 for an all-padding batch)."""
+    return jnp.sum(values * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def masked_mean_cross_entropy(apply_fn: Callable, params, batch) -> jax.Array:
+    """Mean softmax cross-entropy of ``apply_fn(params, batch.x)`` over the real rows of ``batch`` (a scalar)."""
+    return masked_mean(cross_entropy(apply_fn(params, batch.x), batch.y), batch.mask)
+
+
+def soft_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
+    """Masked mean of ``-sum_k targets_k log softmax(logits)_k``; logits and targets ``[B, K]``, mask ``[B]``.
+
+    ``log_softmax`` rather than FedReg's released ``log(softmax + 1e-12)``: the same value away from
+    underflow, and soft labels equal to the model's own softmax make it exactly stationary.
+    """
+    return masked_mean(-jnp.sum(targets * jax.nn.log_softmax(logits), axis=-1), mask)
+
+
+__all__ = ["cross_entropy", "masked_mean", "masked_mean_cross_entropy", "soft_cross_entropy"]

@@ -1,0 +1,93 @@
+"""Tasks: what a model learns and how it is scored, kept apart from the federated algorithm.
+
+A ``Task`` bundles a model with its loss, its metrics (the engine's evaluate
+hook), its final predictive and its initialisation. Algorithms take their
+hooks from a task (``Algorithm(..., **task.hooks())``), so the engine never
+imports a model or a metric and a new task (regression, segmentation) plugs
+in without touching ``bfedjax.core``.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from bfedjax.losses import masked_mean_cross_entropy
+from bfedjax.metrics.classification import evaluate as classification_metrics
+from bfedjax.metrics.classification import padded_batches
+from bfedjax.models.apply import apply_fn_of, has_dropout, mc_predict_proba
+
+
+class Task(NamedTuple):
+    """A model and everything about it that is not the federated algorithm's maths.
+
+    model: the Flax module.
+    apply_fn: ``(params, x [B, ...]) -> outputs [B, ...]`` in inference mode.
+    loss: ``(params, Batch) -> scalar``, the masked mean training loss in inference mode
+      (models with BatchNorm or dropout train through ``algorithms.local_sgd``, which
+      runs them in training mode).
+    evaluate: ``(params, x [T, ...], y [T, ...]) -> {name: scalar}``, the engine's evaluate hook.
+    predict: ``(params, x [T, ...], key, num_samples) -> probs [M, T, K]``, the final predictive.
+    init_params: ``(key, input_shape) -> params``.
+    """
+
+    model: Any
+    apply_fn: Callable
+    loss: Callable
+    evaluate: Callable
+    predict: Callable
+    init_params: Callable
+
+    def hooks(self, global_params: Callable | None = None) -> dict:
+        """The ``Algorithm`` keyword arguments ``evaluate``, ``predict`` and ``init_params`` of this task.
+
+        ``predict`` scores ``global_params(server)`` (default ``server["params"]``).
+        """
+        params_of = global_params or (lambda server: server["params"])
+        predict = self.predict
+        return {"evaluate": self.evaluate, "init_params": self.init_params,
+                "predict": lambda server, x, key, num_samples: predict(params_of(server), x, key, num_samples)}
+
+
+def in_batches(fn: Callable, x: jax.Array, batch_size: int) -> jax.Array:
+    """``fn(x_batch) -> [M, b, K]`` applied to ``x [T, ...]`` in batches of ``batch_size``; returns ``[M, T, K]``."""
+    xb, _, _ = padded_batches(x, jnp.zeros(x.shape[0], jnp.int32), batch_size)
+    out = jnp.moveaxis(jax.lax.map(fn, xb), 0, 1)  # [M, nb, b, K]
+    return out.reshape(out.shape[0], -1, out.shape[-1])[:, : x.shape[0]]
+
+
+EVAL_BATCH_SIZE = 1000  # test examples per evaluation batch
+PREDICT_BATCH_SIZE = 500  # test examples per predictive batch (M samples of each are held at once)
+
+
+def classification(model, *, eval_batch_size: int = EVAL_BATCH_SIZE, predict_batch_size: int = PREDICT_BATCH_SIZE) -> Task:
+    """A classifier producing logits ``[B, K]`` from integer labels ``y [B]``.
+
+    evaluate: top-1 ``accuracy`` and mean cross-entropy ``loss`` of the test set, in
+    batches of ``eval_batch_size``. predict: the softmax (``M = 1``), or ``num_samples``
+    MC-dropout passes for a model with dropout, in batches of ``predict_batch_size``.
+    """
+    apply_fn = apply_fn_of(model)
+
+    def loss(params, batch):
+        return masked_mean_cross_entropy(apply_fn, params, batch)
+
+    def evaluate(params, x, y):
+        return classification_metrics(apply_fn, params, x, y, eval_batch_size)
+
+    def predict(params, x, key, num_samples: int):
+        if has_dropout(model):
+            one = lambda xb: mc_predict_proba(model, params, xb, key, num_samples)
+        else:
+            one = lambda xb: jax.nn.softmax(apply_fn(params, xb), -1)[None]
+        return in_batches(one, x, predict_batch_size)
+
+    def init_params(key, input_shape):
+        from bfedjax.models.zoo import init_params as zoo_init
+        return zoo_init(model, tuple(input_shape), key)
+
+    return Task(model, apply_fn, loss, evaluate, predict, init_params)
+
+
+__all__ = ["EVAL_BATCH_SIZE", "PREDICT_BATCH_SIZE", "Task", "classification", "in_batches"]

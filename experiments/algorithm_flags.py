@@ -1,0 +1,219 @@
+"""The flags that pick and configure an algorithm, shared by ``experiments.run`` and the paper scripts.
+
+Every option flag maps onto a keyword option of a factory in
+``bfedjax.algorithms.ALGORITHMS``; ``build(flag_values, model, fed)`` turns
+the parsed flags into ``bfedjax.algorithms.build(name, model, fed, **options)``.
+Option flags default to None ("the algorithm's default"); one that is set but
+does not apply to the chosen algorithm is reported in one line and ignored
+(a flagfile describes a setting shared by several algorithms), except the
+DP-SGD flags, whose privacy must never be dropped silently.
+
+A paper's preset is a flagfile (``experiments/configs``): scripts that run
+several methods parse one flagfile per method into a fresh ``FlagValues``
+(``parse_flagfile``).
+"""
+from __future__ import annotations
+
+import sys
+
+from absl import app, flags
+
+from bfedjax.algorithms.bfl import RULES
+from bfedjax.algorithms.fedcurv import VARIANTS as FEDCURV_VARIANTS
+from bfedjax.algorithms.fedprox import SCALINGS
+from bfedjax.algorithms.fedreg import CLAMPS, GRANULARITIES
+from bfedjax.algorithms.fola import FISHER_MODES, NORMALISATIONS, PRECISION_MODES, PROFILES
+from bfedjax.algorithms.local_sgd import OPTIMIZERS
+from bfedjax.algorithms.registry import ALGORITHMS
+from bfedjax.algorithms.scaffold import OPTIONS as SCAFFOLD_OPTIONS
+from bfedjax.posteriors import DWC_GUARDS
+from bfedjax.posteriors.weighting import WEIGHTINGS
+from bfedjax.vi import GRADIENT_ESTIMATORS
+
+# Options every algorithm takes when its factory has them (always passed).
+COMMON = {"lr": "lr", "local_epochs": "local_epochs", "batch_size": "batch_size"}
+
+# flag -> (factory option, algorithms it applies to)
+OPTION_FLAGS = {
+    "lam": ("lam", ("fola", "fedcurv")),
+    "mu": ("mu", ("fedprox",)),
+    "clip_norm": ("clip_norm", ("fedavg", "fedprox", "fedcurv", "fola", "scaffold", "fednova")),
+    "momentum": ("momentum", ("fedavg", "fedprox", "fedcurv", "fola", "fednova")),
+    "optimizer": ("optimizer", ("fedavg",)),
+    "weight_decay": ("weight_decay", ("fedavg",)),
+    "dp_clip": ("dp_clip", ("fedavg", "fedsgd", "fedprox", "fedcurv")),
+    "dp_noise": ("dp_noise", ("fedavg", "fedsgd", "fedprox", "fedcurv")),
+    "fola_profile": ("profile", ("fola",)),
+    "fisher": ("fisher", ("fola", "fedcurv")),
+    "normalisation": ("normalisation", ("fola",)),
+    "precision_mode": ("precision_mode", ("fola",)),
+    "damping": ("damping", ("fola",)),
+    "eps": ("eps", ("fola",)),
+    "gamma": ("gamma", ("fola",)),
+    "prior_grad": ("prior_grad", ("fola",)),
+    "rule": ("rule", ("bfl",)),
+    "weighting": ("weighting", ("bfl",)),
+    "dwc_guard": ("dwc_guard", ("bfl",)),
+    "dwc_floor_ratio": ("dwc_floor_ratio", ("bfl",)),
+    "prior_update": ("prior_update", ("bfl",)),
+    "prior_scale": ("prior_scale", ("bfl",)),
+    "variational_biases": ("variational_biases", ("bfl",)),
+    "train_samples": ("train_samples", ("bfl",)),
+    "gradient_estimator": ("gradient_estimator", ("bfl",)),
+    "fedcurv_variant": ("variant", ("fedcurv",)),
+    "fedprox_scaling": ("scaling", ("fedprox",)),
+    "fedreg_gamma": ("gamma", ("fedreg",)),
+    "eta_s": ("eta_s", ("fedreg",)),
+    "eta_p": ("eta_p", ("fedreg",)),
+    "mg": ("mg", ("fedreg",)),
+    "fedreg_granularity": ("granularity", ("fedreg",)),
+    "fedreg_clamp": ("clamp", ("fedreg",)),
+    "scaffold_option": ("option", ("scaffold",)),
+}
+MUST_APPLY = ("dp_clip", "dp_noise")  # a privacy guarantee is never dropped silently
+RENAMED = {("lam", "fedprox"): "--mu"}  # FedProx's coefficient was --lam before engine API v1
+
+
+def define(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+    """Defines ``--algorithm``, ``--lr``, ``--local_epochs``, ``--batch_size`` and every option flag."""
+    def enum(name, values, help_):
+        flags.DEFINE_enum(name, None, values, help_, flag_values=flag_values)
+
+    def number(define_fn, name, help_):
+        define_fn(name, None, help_, flag_values=flag_values)
+
+    def boolean(name, help_):
+        flags.DEFINE_bool(name, None, help_, flag_values=flag_values)
+
+    flags.DEFINE_enum("algorithm", "fola", list(ALGORITHMS), "Federated algorithm.", flag_values=flag_values)
+    flags.DEFINE_float("lr", 0.01, "Local learning rate.", flag_values=flag_values)
+    flags.DEFINE_integer("local_epochs", 1, "Local epochs E.", flag_values=flag_values)
+    flags.DEFINE_integer("batch_size", 32, "Local batch size B (fedsgd: the whole client).", flag_values=flag_values)
+    # Local training.
+    number(flags.DEFINE_float, "lam", "fola, fedcurv: prior weight lambda (default per algorithm).")
+    number(flags.DEFINE_float, "mu", "fedprox: proximal weight mu (default 0.01).")
+    number(flags.DEFINE_float, "clip_norm", "Global-norm gradient clip; 0 disables; default per algorithm "
+           "(10; fedprox, scaffold, fednova none).")
+    number(flags.DEFINE_float, "momentum", "Local heavy-ball momentum (default 0).")
+    enum("optimizer", OPTIMIZERS, "fedavg: local optimiser (Fischer et al.'s baselines: adam, lr 1e-3).")
+    number(flags.DEFINE_float, "weight_decay", "fedavg: L2 penalty on dense/conv kernels (Fischer et al.'s "
+           "deterministic and MC-dropout baselines: 1e-4; the KL regularises the variational clients).")
+    number(flags.DEFINE_float, "dp_clip", "DP-SGD per-example clip norm C (fedavg, fedsgd, fedprox, fedcurv); "
+           "unset: no DP.")
+    number(flags.DEFINE_float, "dp_noise", "DP-SGD noise multiplier sigma (std sigma*C on the clipped sum).")
+    # FOLA (spec section 3).
+    enum("fola_profile", tuple(PROFILES), "fola: preset of the options below.")
+    enum("fisher", FISHER_MODES,
+         "fola, fedcurv: Fisher estimator (fedcurv: not offline; its FedReg-authors form uses per_sample_sq).")
+    enum("normalisation", NORMALISATIONS, "fola: Fisher normalisation.")
+    enum("precision_mode", PRECISION_MODES, "fola: precision state (Eq. 24/25).")
+    number(flags.DEFINE_float, "damping", "fola: Fisher damping delta.")
+    number(flags.DEFINE_float, "eps", "fola: product denominator guard.")
+    number(flags.DEFINE_float, "gamma", "fola: extra prior precision.")
+    boolean("prior_grad", "fola: False detaches the prior as in the released code.")
+    # Fischer et al.
+    enum("rule", RULES,
+         "bfl: aggregation rule (default wc).")
+    enum("weighting", WEIGHTINGS,
+         "bfl: client weighting (default by_size: the run's client weights, pi_n = m_n/m).")
+    enum("dwc_guard", DWC_GUARDS,
+         "bfl --rule=dwc: where Eq. 17's precision is not positive fall back to conflation (default), or clip "
+         "it at --dwc_floor_ratio x the clients' mean precision, or no guard.")
+    number(flags.DEFINE_float, "dwc_floor_ratio", "bfl: floor of --dwc_guard=floor relative to the clients' mean "
+           "precision (default 1).")
+    boolean("prior_update", "bfl: clients use the global posterior as their ELBO prior.")
+    number(flags.DEFINE_float, "prior_scale", "bfl: std of the N(0, s^2) weight prior (default 10).")
+    boolean("variational_biases", "bfl: biases variational too (default: point estimates).")
+    number(flags.DEFINE_integer, "train_samples", "bfl: MC samples of the ELBO per step (default 1).")
+    enum("gradient_estimator", GRADIENT_ESTIMATORS,
+         "bfl: gradient estimator of the expected log-likelihood (default flipout: per-example sign-flipped "
+         "kernel noise; reparameterization: one weight sample per batch).")
+    # FedCurv, FedProx, SCAFFOLD, FedReg.
+    enum("fedcurv_variant", FEDCURV_VARIANTS,
+         "fedcurv form (previous_round: the FedReg authors'; run it with --fisher=per_sample_sq --clip_norm=0).")
+    enum("fedprox_scaling", tuple(SCALINGS), "fedprox: mu/2||.||^2 (half, default) or mu||.||^2 (full, the "
+         "FedReg authors' code).")
+    number(flags.DEFINE_float, "fedreg_gamma", "fedreg: gradient taken at gamma*theta + (1-gamma)*theta_global "
+           "(default 0.5).")
+    number(flags.DEFINE_float, "eta_s", "fedreg: pseudo-data sign-ascent step (default 0.05).")
+    number(flags.DEFINE_float, "eta_p", "fedreg: perturbed-data step (default 0.01 * eta_s).")
+    boolean("mg", "fedreg with MG (gradient projected off the uniform-label pseudo-data gradient).")
+    enum("fedreg_granularity", GRANULARITIES, "fedreg: pseudo-data unit.")
+    enum("fedreg_clamp", CLAMPS, "fedreg: generation clamp.")
+    enum("scaffold_option", SCAFFOLD_OPTIONS, "scaffold: control-variate update (default II).")
+
+    for name in ("local_epochs", "batch_size"):
+        flags.register_validator(name, lambda v: v is not None and v >= 1, message=f"--{name} must be >= 1",
+                                 flag_values=flag_values)
+    checks = {
+        "lr": (lambda v: v > 0, "--lr must be > 0 (e.g. --lr=0.01)"),
+        "lam": (lambda v: v is None or v >= 0, "--lam must be >= 0"),
+        "mu": (lambda v: v is None or v >= 0, "--mu must be >= 0"),
+        "momentum": (lambda v: v is None or 0 <= v < 1, "--momentum must be in [0, 1)"),
+        "weight_decay": (lambda v: v is None or v >= 0, "--weight_decay must be >= 0, e.g. 1e-4"),
+        "dwc_floor_ratio": (lambda v: v is None or v > 0, "--dwc_floor_ratio must be > 0, e.g. 1.0"),
+        "fedreg_gamma": (lambda v: v is None or 0 <= v <= 1, "--fedreg_gamma must be in [0, 1], e.g. 0.4"),
+        "dp_noise": (lambda v: v is None or v >= 0, "--dp_noise must be >= 0, e.g. 0.01"),
+        "dp_clip": (lambda v: v is None or v > 0, "--dp_clip must be > 0, e.g. 1.0"),
+    }
+    for name, (check, message) in checks.items():
+        flags.register_validator(name, check, message=message, flag_values=flag_values)
+
+
+def options(flag_values: flags.FlagValues = flags.FLAGS) -> tuple[dict, list[str]]:
+    """``(options, ignored)``: the chosen algorithm's factory options from the flags, and the set
+    option flags that do not apply to it.
+
+    Raises:
+      app.UsageError: a DP-SGD flag set for an algorithm without DP-SGD.
+    """
+    from bfedjax.algorithms import options_of
+    name = flag_values.algorithm
+    accepted = set(options_of(name))
+    out = {option: flag_values[flag].value for flag, option in COMMON.items() if option in accepted}
+    ignored = []
+    for flag, (option, algorithms) in OPTION_FLAGS.items():
+        value = flag_values[flag].value
+        if value is None:
+            continue
+        if name not in algorithms:
+            if (flag, name) in RENAMED:
+                raise app.UsageError(f"--{flag} is not an option of {name}; fix: use {RENAMED[flag, name]}")
+            if flag in MUST_APPLY:
+                raise app.UsageError(f"--{flag} (DP-SGD) works with --algorithm={', '.join(algorithms)}, not {name}; "
+                                     f"fix: drop --{flag} or pick one of those")
+            ignored.append(f"--{flag}")
+            continue
+        out[option] = None if (flag == "clip_norm" and value == 0) else value
+    return out, ignored
+
+
+def build(flag_values: flags.FlagValues, model, fed, setting: dict | None = None):
+    """The flags' algorithm for ``model`` on ``fed``.
+
+    ``setting``: options an experiment fixes for every method it runs (e.g. ``local_epochs``),
+    passed to the factories that take them and replacing the flags' values.
+    Prints one line naming option flags that do not apply; a bad option value is a ``UsageError``.
+    """
+    import bfedjax as bf
+    opts, ignored = options(flag_values)
+    accepted = set(bf.algorithms.options_of(flag_values.algorithm))
+    opts.update({k: v for k, v in (setting or {}).items() if k in accepted})
+    if ignored:
+        print(f"note: {', '.join(ignored)} do{'es' if len(ignored) == 1 else ''} not apply to "
+              f"--algorithm={flag_values.algorithm} (ignored)", file=sys.stderr, flush=True)
+    try:
+        return bf.algorithms.build(flag_values.algorithm, model, fed, **opts)
+    except ValueError as err:
+        raise app.UsageError(str(err)) from None
+
+
+def parse_flagfile(path: str) -> flags.FlagValues:
+    """A fresh ``FlagValues`` with the algorithm flags, parsed from the flagfile ``path`` (a method preset)."""
+    flag_values = flags.FlagValues()
+    define(flag_values)
+    flag_values(["preset", f"--flagfile={path}"], known_only=True)
+    return flag_values
+
+
+__all__ = ["COMMON", "MUST_APPLY", "OPTION_FLAGS", "build", "define", "options", "parse_flagfile"]
