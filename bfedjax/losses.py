@@ -43,4 +43,25 @@ def soft_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -
     return masked_mean(-jnp.sum(targets * jax.nn.log_softmax(logits), axis=-1), mask)
 
 
-__all__ = ["cross_entropy", "masked_mean", "masked_mean_cross_entropy", "soft_cross_entropy"]
+def distillation(student_logits: jax.Array, teacher_logits: jax.Array, labels: jax.Array, mask: jax.Array,
+                 alpha: float, temperature: float = 1.0) -> jax.Array:
+    """Knowledge distillation (HBFL Eq. 2.4 / FML): ``alpha CE + (1 - alpha) T^2 KL(q_teacher || q_student)``.
+
+    ``q = softmax(logits / T)``; both terms are masked means over the batch (the
+    FML code's ``KLDivLoss(batchmean)``); ``T^2`` keeps the KL's gradient scale
+    for ``T > 1`` (1 at the default T = 1). No gradient reaches the teacher.
+
+    Args:
+      student_logits, teacher_logits: ``[B, K]``; labels: ``[B]`` ints; mask: ``[B]``.
+      alpha: weight of the cross-entropy (1: plain CE); temperature: T > 0.
+    Returns:
+      a scalar.
+    """
+    ce = masked_mean(cross_entropy(student_logits, labels), mask)
+    teacher = jax.lax.stop_gradient(jax.nn.log_softmax(teacher_logits / temperature))
+    student = jax.nn.log_softmax(student_logits / temperature)
+    kl = masked_mean(jnp.sum(jnp.exp(teacher) * (teacher - student), axis=-1), mask)
+    return alpha * ce + (1.0 - alpha) * temperature ** 2 * kl
+
+
+__all__ = ["cross_entropy", "distillation", "masked_mean", "masked_mean_cross_entropy", "soft_cross_entropy"]

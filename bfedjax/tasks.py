@@ -27,7 +27,7 @@ class Task(NamedTuple):
     loss: ``(params, Batch) -> scalar``, the masked mean training loss in inference mode
       (models with BatchNorm or dropout train through ``algorithms.local_sgd``, which
       runs them in training mode).
-    evaluate: ``(params, x [T, ...], y [T, ...]) -> {name: scalar}``, the engine's evaluate hook.
+    evaluate: ``(params, x [T, ...], y [T, ...], mask [T] = None) -> {name: scalar}``, the engine's evaluate hook.
     predict: ``(params, x [T, ...], key, num_samples) -> probs [M, T, K]``, the final predictive.
     init_params: ``(key, input_shape) -> params``.
     """
@@ -73,8 +73,8 @@ def classification(model, *, eval_batch_size: int = EVAL_BATCH_SIZE, predict_bat
     def loss(params, batch):
         return masked_mean_cross_entropy(apply_fn, params, batch)
 
-    def evaluate(params, x, y):
-        return classification_metrics(apply_fn, params, x, y, eval_batch_size)
+    def evaluate(params, x, y, mask=None):
+        return classification_metrics(apply_fn, params, x, y, eval_batch_size, mask)
 
     def predict(params, x, key, num_samples: int):
         if has_dropout(model):

@@ -22,6 +22,10 @@ from bfedjax.algorithms.bfl import RULES
 from bfedjax.algorithms.fedcurv import VARIANTS as FEDCURV_VARIANTS
 from bfedjax.algorithms.fedprox import SCALINGS
 from bfedjax.algorithms.fedreg import CLAMPS, GRANULARITIES
+from bfedjax.algorithms.abavg import WEIGHTINGS as ABAVG_WEIGHTINGS
+from bfedjax.algorithms.fml import WEIGHTINGS as FML_WEIGHTINGS
+from bfedjax.algorithms.hbfl import NLL_FORMS, SIGMA_MODES, TEACHERS
+from bfedjax.algorithms.hbfl import WEIGHTINGS as HBFL_WEIGHTINGS
 from bfedjax.algorithms.fola import FISHER_MODES, NORMALISATIONS, PRECISION_MODES, PROFILES
 from bfedjax.algorithms.local_sgd import OPTIMIZERS
 from bfedjax.algorithms.registry import ALGORITHMS
@@ -38,9 +42,9 @@ OPTION_FLAGS = {
     "lam": ("lam", ("fola", "fedcurv")),
     "mu": ("mu", ("fedprox",)),
     "clip_norm": ("clip_norm", ("fedavg", "fedprox", "fedcurv", "fola", "scaffold", "fednova")),
-    "momentum": ("momentum", ("fedavg", "fedprox", "fedcurv", "fola", "fednova")),
+    "momentum": ("momentum", ("fedavg", "fedprox", "fedcurv", "fola", "fednova", "hbfl", "fml", "abavg")),
     "optimizer": ("optimizer", ("fedavg",)),
-    "weight_decay": ("weight_decay", ("fedavg",)),
+    "weight_decay": ("weight_decay", ("fedavg", "hbfl", "fml", "abavg")),
     "dp_clip": ("dp_clip", ("fedavg", "fedsgd", "fedprox", "fedcurv")),
     "dp_noise": ("dp_noise", ("fedavg", "fedsgd", "fedprox", "fedcurv")),
     "fola_profile": ("profile", ("fola",)),
@@ -69,6 +73,25 @@ OPTION_FLAGS = {
     "fedreg_granularity": ("granularity", ("fedreg",)),
     "fedreg_clamp": ("clamp", ("fedreg",)),
     "scaffold_option": ("option", ("scaffold",)),
+    "likelihood_temperature": ("temperature", ("hbfl",)),
+    "meme_lr": ("meme_lr", ("hbfl",)),
+    "meme_weight_decay": ("meme_weight_decay", ("hbfl",)),
+    "decay_rho": ("decay_rho", ("hbfl",)),
+    "rho_init": ("rho_init", ("hbfl",)),
+    "rho_init_std": ("rho_init_std", ("hbfl",)),
+    "sigma_mode": ("sigma", ("hbfl",)),
+    "teacher": ("teacher", ("hbfl",)),
+    "teacher_samples": ("teacher_samples", ("hbfl",)),
+    "mc_samples": ("mc_samples", ("hbfl",)),
+    "nll": ("nll", ("hbfl",)),
+    "meme_prior_scale": ("prior_scale", ("hbfl",)),
+    "hbfl_weighting": ("weighting", ("hbfl",)),
+    "distill_alpha": ("alpha", ("hbfl", "fml")),
+    "distill_beta": ("beta", ("fml",)),
+    "distill_temperature": ("distill_temperature", ("hbfl", "fml")),
+    "reinit_local": ("reinit_local", ("hbfl", "fml")),
+    "fml_weighting": ("weighting", ("fml",)),
+    "abavg_weighting": ("weighting", ("abavg",)),
 }
 MUST_APPLY = ("dp_clip", "dp_noise")  # a privacy guarantee is never dropped silently
 RENAMED = {("lam", "fedprox"): "--mu"}  # FedProx's coefficient was --lam before engine API v1
@@ -94,10 +117,11 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     number(flags.DEFINE_float, "mu", "fedprox: proximal weight mu (default 0.01).")
     number(flags.DEFINE_float, "clip_norm", "Global-norm gradient clip; 0 disables; default per algorithm "
            "(10; fedprox, scaffold, fednova none).")
-    number(flags.DEFINE_float, "momentum", "Local heavy-ball momentum (default 0).")
+    number(flags.DEFINE_float, "momentum", "Local heavy-ball momentum (default 0; hbfl, fml, abavg 0.9).")
     enum("optimizer", OPTIMIZERS, "fedavg: local optimiser (Fischer et al.'s baselines: adam, lr 1e-3).")
-    number(flags.DEFINE_float, "weight_decay", "fedavg: L2 penalty on dense/conv kernels (Fischer et al.'s "
-           "deterministic and MC-dropout baselines: 1e-4; the KL regularises the variational clients).")
+    number(flags.DEFINE_float, "weight_decay", "fedavg, abavg: L2 penalty on dense/conv kernels (Fischer et al.'s "
+           "deterministic and MC-dropout baselines: 1e-4; the KL regularises the variational clients); hbfl, fml: "
+           "of the local models' SGD, every leaf (default 5e-4).")
     number(flags.DEFINE_float, "dp_clip", "DP-SGD per-example clip norm C (fedavg, fedsgd, fedprox, fedcurv); "
            "unset: no DP.")
     number(flags.DEFINE_float, "dp_noise", "DP-SGD noise multiplier sigma (std sigma*C on the clipped sum).")
@@ -141,6 +165,28 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     enum("fedreg_granularity", GRANULARITIES, "fedreg: pseudo-data unit.")
     enum("fedreg_clamp", CLAMPS, "fedreg: generation clamp.")
     enum("scaffold_option", SCAFFOLD_OPTIONS, "scaffold: control-variate update (default II).")
+    # HBFL, FML, ABAVG (HBFL spec section 3; the local models come from --client_architectures).
+    number(flags.DEFINE_float, "likelihood_temperature", "hbfl: likelihood temperature T of the meme loss "
+           "(default 1e-4).")
+    number(flags.DEFINE_float, "meme_lr", "hbfl: the meme's Adam step (default 1e-3).")
+    number(flags.DEFINE_float, "meme_weight_decay", "hbfl: L2 on the meme's mu under Adam (default 5e-4).")
+    boolean("decay_rho", "hbfl: weight decay on the meme's rho too (Decision 8).")
+    number(flags.DEFINE_float, "rho_init", "hbfl: initial rho of every meme weight (default -5).")
+    number(flags.DEFINE_float, "rho_init_std", "hbfl: N(0, s^2) noise on the initial rho (default 0).")
+    enum("sigma_mode", SIGMA_MODES, "hbfl: meme sigma across rounds (default reinit).")
+    enum("teacher", TEACHERS, "hbfl: the meme predictions the local model learns from (default mean).")
+    number(flags.DEFINE_integer, "teacher_samples", "hbfl --teacher=mc: samples (default 4).")
+    number(flags.DEFINE_integer, "mc_samples", "hbfl: reparameterised samples per meme step (default 1).")
+    enum("nll", NLL_FORMS, "hbfl: summed (default) or batch-mean NLL in the meme loss.")
+    number(flags.DEFINE_float, "meme_prior_scale", "hbfl: add T*KL(q || N(0, s^2)) to the meme loss (the elbo_prior "
+           "variant; default: no prior term).")
+    enum("hbfl_weighting", HBFL_WEIGHTINGS, "hbfl: q_k = n_k/n (by_size, default) or equal.")
+    number(flags.DEFINE_float, "distill_alpha", "hbfl, fml: CE weight alpha of the local model's loss (default 0.5).")
+    number(flags.DEFINE_float, "distill_beta", "fml: CE weight beta of the meme's loss (default 0.5).")
+    number(flags.DEFINE_float, "distill_temperature", "hbfl, fml: distillation temperature (default 1).")
+    boolean("reinit_local", "hbfl, fml: a fresh local model every round (default: persisted).")
+    enum("fml_weighting", FML_WEIGHTINGS, "fml: meme average (default equal, as FML).")
+    enum("abavg_weighting", ABAVG_WEIGHTINGS, "abavg: accuracy (default) or accuracy_by_size.")
 
     for name in ("local_epochs", "batch_size"):
         flags.register_validator(name, lambda v: v is not None and v >= 1, message=f"--{name} must be >= 1",
@@ -155,6 +201,10 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         "fedreg_gamma": (lambda v: v is None or 0 <= v <= 1, "--fedreg_gamma must be in [0, 1], e.g. 0.4"),
         "dp_noise": (lambda v: v is None or v >= 0, "--dp_noise must be >= 0, e.g. 0.01"),
         "dp_clip": (lambda v: v is None or v > 0, "--dp_clip must be > 0, e.g. 1.0"),
+        "likelihood_temperature": (lambda v: v is None or v > 0, "--likelihood_temperature must be > 0, e.g. 1e-4"),
+        "distill_alpha": (lambda v: v is None or 0 <= v <= 1, "--distill_alpha must be in [0, 1], e.g. 0.5"),
+        "distill_beta": (lambda v: v is None or 0 <= v <= 1, "--distill_beta must be in [0, 1], e.g. 0.5"),
+        "distill_temperature": (lambda v: v is None or v > 0, "--distill_temperature must be > 0, e.g. 1"),
     }
     for name, (check, message) in checks.items():
         flags.register_validator(name, check, message=message, flag_values=flag_values)

@@ -180,7 +180,7 @@ def time_library(algorithm, fed, config: Config, backend: str, rounds: int) -> d
     round_config = RoundConfig(fed.num_clients, fed.num_clients, clients_per_chunk=config.clients_per_chunk,
                                evaluate_local=False)
     params = algorithm.init_params(jax.random.PRNGKey(0), fed.input_shape)
-    state, arrays = init_state(algorithm, params, fed.num_clients), round_arrays(fed)
+    state, arrays = init_state(algorithm, params, round_config), round_arrays(fed)
     step = make_round_step(algorithm, round_config, backend)
     out = {}
     if backend == "vmap":  # compile once, ahead of time: the executable gives the memory analysis and runs

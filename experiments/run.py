@@ -47,6 +47,18 @@ flags.DEFINE_enum("pixels", "standardised", list(bf.data.PIXELS),
                   "Input scale: standardised, or [0, 1] (FedReg's eta_s is in these units).")
 flags.DEFINE_string("class_groups", "0-4;5-9", "For --partition=class_groups: ';'-separated label ranges/lists.")
 flags.DEFINE_integer("num_clients", 20, "Clients N.")
+flags.DEFINE_string("client_architectures", None, "hbfl, fml: each client's local model as name:count,... summing to "
+                    "--num_clients (HBFL's setting: mlp:2,lenet:2,cnn1:3,cnn2:3); unset: every client's local model "
+                    "is --model; 'none' (hbfl): no local model, the 'Bayesian aggregation only' ablation.")
+flags.DEFINE_integer("shuffle_architectures", None, "Permute the --client_architectures assignment with this seed "
+                     "(default: in order, clients 0-1 first architecture, ...).")
+flags.DEFINE_float("straggler_fraction", 0.0, "Each round this fraction of clients trains x ~ U{1..E} epochs "
+                   "(the same draw for every algorithm at a --seed).")
+flags.DEFINE_bool("client_test_splits", False, "Give each client a test split with its training split's Dirichlet "
+                  "proportions (--partition=dirichlet_per_class) and report client_test_accuracy (HBFL's per-client "
+                  "accuracy).")
+flags.DEFINE_float("validation_fraction", 0.1, "abavg: stratified fraction of the training set the server holds "
+                   "out for validation.")
 flags.DEFINE_list("client_weights", None, "Override pi_n = m_n/m with these N weights (e.g. 0.51,0.49), or "
                   "'uniform' for the unweighted cohort mean (FedReg's experiments).")
 # Rounds.
@@ -91,6 +103,10 @@ flags.register_validator("pretrain_validation_fraction", lambda v: 0 <= v < 1,
                          message="--pretrain_validation_fraction must be in [0, 1), e.g. 0.1")
 flags.register_validator("pretrain_fraction", lambda v: 0 <= v < 1,
                          message="--pretrain_fraction must be in [0, 1), e.g. --pretrain_fraction=0.1")
+flags.register_validator("straggler_fraction", lambda v: 0 <= v <= 1,
+                         message="--straggler_fraction must be in [0, 1], e.g. 0.5")
+flags.register_validator("validation_fraction", lambda v: 0 < v < 1,
+                         message="--validation_fraction must be in (0, 1), e.g. 0.1")
 flags.register_validator("dropout_rate", lambda v: 0 <= v < 1, message="--dropout_rate must be in [0, 1), e.g. 0.2")
 flags.register_validator("lr_decay_rate", lambda v: 0 < v < 1, message="--lr_decay_rate must be in (0, 1), e.g. 0.04")
 flags.register_validator("test_samples", lambda v: v >= 1, message="--test_samples must be >= 1")
@@ -143,6 +159,40 @@ def split_server_data(dataset, fraction: float, seed: int):
     held = [rng.permutation(np.flatnonzero(dataset.y_train == c))[: int(round(fraction * np.sum(dataset.y_train == c)))]
             for c in range(dataset.num_classes)]
     return dataset, np.sort(np.concatenate(held))
+
+
+def make_federation(dataset):
+    """The federated data: --partition, plus per-client test splits with --client_test_splits."""
+    if not FLAGS.client_test_splits:
+        return bf.data.from_partition(dataset, make_partition(dataset.y_train))
+    if FLAGS.partition != "dirichlet_per_class":
+        raise app.UsageError(f"--client_test_splits splits the test set with the training split's Dirichlet "
+                             f"proportions; fix: --partition=dirichlet_per_class (not {FLAGS.partition})")
+    train, test = bf.data.dirichlet_train_test(dataset.y_train, dataset.y_test, FLAGS.num_clients, alpha=FLAGS.alpha,
+                                               seed=FLAGS.seed)
+    return bf.data.from_partition(dataset, train, test_parts=test)
+
+
+def architecture_setting(dataset, model):
+    """``(setting, client_groups)``: hbfl/fml's local models and the client-to-architecture map."""
+    if FLAGS.algorithm not in ("hbfl", "fml"):
+        if FLAGS.client_architectures:
+            raise app.UsageError(f"--client_architectures gives hbfl/fml their local models; --algorithm="
+                                 f"{FLAGS.algorithm} trains one model on every client; fix: drop the flag")
+        return {}, None
+    if FLAGS.client_architectures is None:  # every local model has the meme's architecture
+        return {}, None
+    if FLAGS.client_architectures == "none":
+        if FLAGS.algorithm == "fml":
+            raise app.UsageError("fml needs local models; fix: drop --client_architectures=none")
+        return {"local_models": ()}, None
+    try:
+        models, groups = bf.models.client_architectures(
+            FLAGS.client_architectures, FLAGS.num_clients, num_classes=dataset.num_classes,
+            hidden=tuple(int(h) for h in FLAGS.hidden), shuffle_seed=FLAGS.shuffle_architectures)
+    except ValueError as err:
+        raise app.UsageError(f"--client_architectures: {err}") from None
+    return {"local_models": models}, groups
 
 
 def make_partition(labels):
@@ -206,8 +256,13 @@ def main(argv):
         if FLAGS.pretrain_disjoint:
             keep = np.setdiff1d(np.arange(len(dataset.y_train)), held_out)
             dataset = dataclasses.replace(dataset, x_train=dataset.x_train[keep], y_train=dataset.y_train[keep])
-    fed = bf.data.from_partition(dataset, make_partition(dataset.y_train))
-    algorithm = algorithm_flags.build(FLAGS, make_model(dataset.num_classes), fed)
+    setting = {}
+    if FLAGS.algorithm == "abavg":
+        dataset, setting["validation"] = bf.data.holdout(dataset, FLAGS.validation_fraction, FLAGS.seed)
+    fed = make_federation(dataset)
+    model = make_model(dataset.num_classes)
+    architectures, client_groups = architecture_setting(dataset, model)
+    algorithm = algorithm_flags.build(FLAGS, model, fed, {**setting, **architectures})
     if FLAGS.augment != "none":
         if dataset.x_train.ndim != 4:
             raise app.UsageError(f"--augment={FLAGS.augment} needs image data [N, H, W, C]; {dataset.name} has "
@@ -242,7 +297,8 @@ def main(argv):
     with open(metrics_path, "w") as sink:
         def on_round(record):
             la = record.get("local_accuracy", float("nan"))
-            print(f"round {record['round']:4d}  GA {record['global_accuracy']:.4f}  LA {la:.4f}  "
+            ca = f"  CA {record['client_test_accuracy']:.4f}" if "client_test_accuracy" in record else ""
+            print(f"round {record['round']:4d}  GA {record['global_accuracy']:.4f}  LA {la:.4f}{ca}  "
                   f"loss {record['global_loss']:.4f}  {record['seconds']:.2f}s", flush=True)
             sink.write(json.dumps(record) + "\n")
             sink.flush()
@@ -253,7 +309,7 @@ def main(argv):
             clients_per_chunk=FLAGS.clients_per_chunk,
             backend=FLAGS.backend, client_weights=weights, evaluate_local=FLAGS.evaluate_local,
             checkpoint_dir=checkpoints, on_round=on_round, init_server=init_server,
-            hparams_fn=learning_rate_fn())
+            hparams_fn=learning_rate_fn(), client_groups=client_groups, straggler_fraction=FLAGS.straggler_fraction)
     with open(metrics_path, "w") as sink:  # complete history, restored rounds included
         for r in range(len(result.metrics["round"])):
             sink.write(json.dumps({k: v[r] for k, v in result.metrics.items()}) + "\n")
@@ -268,6 +324,9 @@ def main(argv):
     }
     if "local_accuracy" in result.metrics:
         summary["best_local_accuracy"] = max(result.metrics["local_accuracy"])
+    if "client_test_accuracy" in result.metrics:  # mean over clients of each client's accuracy on its own split
+        summary["best_client_test_accuracy"] = max(result.metrics["client_test_accuracy"])
+        summary["final_client_test_accuracy"] = result.metrics["client_test_accuracy"][-1]
     summary["uncertainty"] = final_uncertainty(algorithm, result.state.server, fed)
     print("final predictive: " + ", ".join(f"{k} {v:.4f}" for k, v in summary["uncertainty"].items()
                                            if isinstance(v, float)), flush=True)

@@ -13,7 +13,7 @@ from bfedjax.posteriors import quadratic_penalty
 
 
 def _one_round(algo, fed, params, key=0, r=1, state=None):
-    state = state or init_state(algo, params, fed.num_clients)
+    state = state or init_state(algo, params, RoundConfig(fed.num_clients, fed.num_clients))
     step = make_round_step(algo, RoundConfig(fed.num_clients, fed.num_clients), "vmap")
     return step(state, round_arrays(fed), jax.random.PRNGKey(key), traced_hparams(algo, r))
 
@@ -170,7 +170,7 @@ def test_fedcurv_leave_one_out_bookkeeping(small_fed, tiny_model, tiny_params):
     algo = bf.algorithms.fedcurv(tiny_model, lr=0.1, batch_size=16, variant="leave_one_out")
     res = bf.simulate(algo, small_fed, rounds=2, key=jax.random.PRNGKey(0), init_params=tiny_params,
                       clients_per_round=3, evaluate_local=False)
-    chex.assert_trees_all_close(res.state.server["u_sum"], jax.tree.map(lambda u: u.sum(0), res.state.persistent["u"]),
+    chex.assert_trees_all_close(res.state.server["u_sum"], jax.tree.map(lambda u: u.sum(0), res.state.persistent[0]["u"]),
                                 rtol=1e-5, atol=1e-10)
 
 

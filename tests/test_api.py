@@ -46,9 +46,10 @@ def test_simulate_says_how_to_initialise_an_algorithm_without_an_init_hook(small
 
 
 def test_registry_builds_every_algorithm_and_checks_options(small_fed, tiny_model):
+    server_held = {"abavg": {"validation": (small_fed.x_test[:50], small_fed.y_test[:50])}}
     for name in bf.algorithms.ALGORITHMS:
-        algo = bf.algorithms.build(name, tiny_model, small_fed, **({"lr": 0.05} if "lr" in
-                                                                  bf.algorithms.options_of(name) else {}))
+        algo = bf.algorithms.build(name, tiny_model, small_fed, **server_held.get(name, {}),
+                                   **({"lr": 0.05} if "lr" in bf.algorithms.options_of(name) else {}))
         assert isinstance(algo, bf.Algorithm) and algo.evaluate is not None and algo.predict is not None, name
     assert bf.algorithms.build("fedsgd", tiny_model, small_fed).batch_size == small_fed.max_n  # from the data
     assert "lam" in bf.algorithms.options_of("fola") and "eps" in bf.algorithms.options_of("fola")

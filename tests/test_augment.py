@@ -64,7 +64,7 @@ def test_augmented_round_vmap_matches_sequential(small_fed, tiny_model, tiny_par
     from bfedjax.core.simulate import round_arrays, traced_hparams
     algo = bf.data.augmented(bf.algorithms.fedavg(tiny_model, lr=0.1, batch_size=16), bf.data.random_shift_flip)
     config = RoundConfig(5, 3, clients_per_chunk=2)
-    out = [make_round_step(algo, config, backend)(init_state(algo, tiny_params, 5), round_arrays(small_fed),
+    out = [make_round_step(algo, config, backend)(init_state(algo, tiny_params, config), round_arrays(small_fed),
                                                    jax.random.PRNGKey(4), traced_hparams(algo, 1))
            for backend in ("vmap", "sequential")]
     chex.assert_trees_all_close(out[0], out[1], rtol=2e-5, atol=2e-6)

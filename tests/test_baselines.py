@@ -14,7 +14,7 @@ from bfedjax.models.apply import apply_fn_of
 
 
 def _run(algo, fed, params, config, rounds=1, backend="vmap", weights=None):
-    state = init_state(algo, params, fed.num_clients)
+    state = init_state(algo, params, RoundConfig(fed.num_clients, fed.num_clients))
     step = make_round_step(algo, config, backend)
     arrays = round_arrays(fed, weights)
     for r in range(1, rounds + 1):
@@ -124,7 +124,7 @@ def test_scaffold_control_variates_follow_option_two(small_fed, tiny_model, tiny
     config = RoundConfig(5, 2)
     state, _ = _run(algo, small_fed, tiny_params, config)
     apply_fn = apply_fn_of(tiny_model)
-    changed = [i for i in range(5) if float(jnp.abs(state.persistent["Dense_0"]["kernel"][i]).sum()) > 0]
+    changed = [i for i in range(5) if float(jnp.abs(state.persistent[0]["Dense_0"]["kernel"][i]).sum()) > 0]
     assert len(changed) == 2  # only the cohort's rows of the [N, ...] control variates were scattered
     total = jax.tree.map(jnp.zeros_like, tiny_params)
     for i in changed:
@@ -133,7 +133,7 @@ def test_scaffold_control_variates_follow_option_two(small_fed, tiny_model, tiny
         y1 = jax.tree.map(lambda p, g: p - 0.1 * g, tiny_params, g1)
         g2 = _client_grad(apply_fn, y1, small_fed, i)
         expected = jax.tree.map(lambda a, b: (a + b) / 2, g1, g2)
-        chex.assert_trees_all_close(jax.tree.map(lambda c: c[i], state.persistent), expected, rtol=1e-4, atol=1e-6)
+        chex.assert_trees_all_close(jax.tree.map(lambda c: c[i], state.persistent[0]), expected, rtol=1e-4, atol=1e-6)
         total = jax.tree.map(jnp.add, total, expected)
     chex.assert_trees_all_close(state.server["control"], jax.tree.map(lambda t: t / 5, total), rtol=1e-4, atol=1e-7)
 

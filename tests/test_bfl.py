@@ -37,7 +37,7 @@ def test_variational_round_vmap_matches_sequential(rule, weighting, small_fed, v
     config = RoundConfig(num_clients=5, clients_per_round=3, clients_per_chunk=2)
     out = {}
     for backend in ("vmap", "sequential"):
-        state = init_state(algo, params, 5)
+        state = init_state(algo, params, config)
         out[backend] = make_round_step(algo, config, backend)(state, round_arrays(small_fed), jax.random.PRNGKey(2),
                                                               traced_hparams(algo, 1))
     chex.assert_trees_all_close(out["vmap"], out["sequential"], rtol=2e-4, atol=2e-6)

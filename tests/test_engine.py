@@ -13,7 +13,7 @@ from bfedjax.core.simulate import round_arrays, traced_hparams
 
 
 def _round(algo, fed, params, config, backend, key=0, r=1):
-    state = init_state(algo, params, fed.num_clients)
+    state = init_state(algo, params, RoundConfig(fed.num_clients, fed.num_clients))
     step = make_round_step(algo, config, backend)
     return step(state, round_arrays(fed), jax.random.PRNGKey(key), traced_hparams(algo, r))
 
@@ -84,7 +84,7 @@ def test_same_seed_same_result_and_seed_matters(small_fed, tiny_model):
 def test_traced_hparams_never_recompile(small_fed, tiny_model, tiny_params):
     algo = bf.algorithms.fola(tiny_model, lr=0.1, lam=10.0, batch_size=16)
     step = make_round_step(algo, RoundConfig(5, 5), "vmap")
-    state, arrays = init_state(algo, tiny_params, 5), round_arrays(small_fed)
+    state, arrays = init_state(algo, tiny_params, RoundConfig(5, 5)), round_arrays(small_fed)
     for r, lr, lam in [(1, 0.1, 10.0), (2, 0.05, 0.0), (7, 0.3, 1e4)]:
         state, _ = step(state, arrays, jax.random.PRNGKey(r), traced_hparams(algo, r, {"lr": lr, "lam": lam}))
     assert step._cache_size() == 1
@@ -94,7 +94,7 @@ def test_cohort_sampling_uses_requested_size(small_fed, tiny_model, tiny_params)
     """With K < N only the sampled clients' persistent state changes."""
     algo = bf.algorithms.fedcurv(tiny_model, lr=0.1, batch_size=16, variant="leave_one_out")
     state, _ = _round(algo, small_fed, tiny_params, RoundConfig(5, 2), "vmap")
-    touched = np.array([bool(np.any(np.asarray(u) != 0)) for u in state.persistent["u"]["Dense_0"]["kernel"]])
+    touched = np.array([bool(np.any(np.asarray(u) != 0)) for u in state.persistent[0]["u"]["Dense_0"]["kernel"]])
     assert touched.sum() == 2
 
 
@@ -302,13 +302,13 @@ def test_a_real_client_with_zero_weight_keeps_the_bookkeeping(small_fed, tiny_mo
     loo = bf.algorithms.fedcurv(tiny_model, lr=0.1, batch_size=16, variant="leave_one_out")
     res = bf.simulate(loo, small_fed, rounds=2, key=jax.random.PRNGKey(0), init_params=tiny_params,
                       client_weights=weights, evaluate_local=False)
-    assert float(jnp.abs(res.state.persistent["u"]["Dense_0"]["kernel"][0]).sum()) > 0  # client 0 trained
-    chex.assert_trees_all_close(res.state.server["u_sum"], jax.tree.map(lambda u: u.sum(0), res.state.persistent["u"]),
+    assert float(jnp.abs(res.state.persistent[0]["u"]["Dense_0"]["kernel"][0]).sum()) > 0  # client 0 trained
+    chex.assert_trees_all_close(res.state.server["u_sum"], jax.tree.map(lambda u: u.sum(0), res.state.persistent[0]["u"]),
                                 rtol=1e-5, atol=1e-10)
     scaffold = bf.algorithms.scaffold(tiny_model, num_clients=5, lr=0.1, batch_size=16)
     res = bf.simulate(scaffold, small_fed, rounds=2, key=jax.random.PRNGKey(0), init_params=tiny_params,
                       client_weights=weights, evaluate_local=False)
-    chex.assert_trees_all_close(res.state.server["control"], jax.tree.map(lambda c: c.mean(0), res.state.persistent),
+    chex.assert_trees_all_close(res.state.server["control"], jax.tree.map(lambda c: c.mean(0), res.state.persistent[0]),
                                 rtol=1e-5, atol=1e-8)
 
 
@@ -318,7 +318,7 @@ def test_a_cohort_whose_clients_all_weigh_zero_keeps_the_server(small_fed, tiny_
     config = RoundConfig(5, 1)
     arrays = round_arrays(small_fed, np.array([0.0, 0.0, 0.0, 0.0, 1.0]))
     step = make_round_step(algo, config, "vmap")
-    state, moved, kept = init_state(algo, tiny_params, 5), 0, 0
+    state, moved, kept = init_state(algo, tiny_params, RoundConfig(5, 5)), 0, 0
     for r in range(1, 9):
         key = jax.random.PRNGKey(r)
         client = int(bf.core.sample_cohort(config, arrays, key).ids[0])

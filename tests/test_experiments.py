@@ -74,16 +74,32 @@ def test_mc_dropout_schedule_and_final_uncertainty(tmp_path):
                                         ("--model=lenet --dropout_rate=0.2", "has no dropout layers"),
                                         ("--dp_clip=1 --algorithm=fola", "--dp_clip (DP-SGD) works with"),
                                         ("--algorithm=fedprox --lam=0.1", "fix: use --mu"),
-                                        ("--algorithm=fola --fisher=exact", "--fisher")])
+                                        ("--algorithm=fola --fisher=exact", "--fisher"),
+                                        ("--algorithm=hbfl --client_architectures=mlp:3", "assigns 3 clients"),
+                                        ("--algorithm=fedavg --client_architectures=mlp:4", "drop the flag"),
+                                        ("--client_test_splits --partition=iid", "--partition=dirichlet_per_class"),
+                                        ("--algorithm=hbfl --distill_alpha=2", "--distill_alpha must be in")])
 def test_bad_flags_fail_with_one_clear_line(bad, needle, tmp_path):
     out = _run(*SMALL, *bad.split(), f"--output_dir={tmp_path}", check=False)
     assert out.returncode != 0
     assert needle in out.stderr
 
 
+def test_hbfl_preset_runs_heterogeneous_clients_with_their_own_test_splits(tmp_path):
+    """The CI smoke preset: two local architectures, per-client test splits, stragglers; summary has CA."""
+    _run(f"--flagfile={ROOT}/experiments/configs/hbfl/digits_smoke.flags", "--rounds=2", "--local_epochs=2",
+         "--straggler_fraction=0.5", f"--output_dir={tmp_path}")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["algorithm"] == "hbfl" and summary["flags"]["client_architectures"] == "mlp:2,logistic:3"
+    assert 0.3 < summary["best_client_test_accuracy"] <= 1.0
+    rounds = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["client_test_accuracy"] >= r["client_test_meme_accuracy"] - 1e-6 for r in rounds)
+
+
 def test_flagfiles_parse():
     from experiments.run import FLAGS, parse_class_groups
-    for path in sorted((ROOT / "experiments" / "configs").glob("*.flags")):
+    configs = ROOT / "experiments" / "configs"
+    for path in sorted(configs.glob("*.flags")) + sorted(configs.glob("hbfl/*.flags")):
         try:
             FLAGS(["run", f"--flagfile={path}"])
             assert FLAGS.rounds >= 1, path
@@ -112,7 +128,7 @@ def test_every_option_flag_is_an_option_of_its_algorithms():
     import bfedjax as bf
     from experiments import algorithm_flags
     assert set(bf.algorithms.ALGORITHMS) == {"fedavg", "fedsgd", "fedprox", "fedcurv", "fola", "bfl", "scaffold",
-                                             "fednova", "fedreg"}
+                                             "fednova", "fedreg", "hbfl", "fml", "abavg"}
     for flag, (option, algorithms) in algorithm_flags.OPTION_FLAGS.items():
         for name in algorithms:
             assert option in bf.algorithms.options_of(name), (flag, name)

@@ -24,7 +24,7 @@ def unit_fed():
 
 
 def _round(algo, fed, params, config, backend="vmap", r=1):
-    state = init_state(algo, params, fed.num_clients)
+    state = init_state(algo, params, config)
     return make_round_step(algo, config, backend)(state, round_arrays(fed), jax.random.PRNGKey(3),
                                                   traced_hparams(algo, r))
 

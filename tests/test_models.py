@@ -51,6 +51,15 @@ def _abstract_params(model, input_shape):
         ("fola_cnn", None, (32, 32, 3), 878_538),
         # LeNet: 156 + 2,416 + 48,120 + 10,164 + 850
         ("lenet", None, (28, 28, 1), 61_706),
+        # HBFL spec section 5: LeNet5 unpadded on 32x32x3 (flatten 400): 456 + 2,416 + 48,120 + 10,164 + 850
+        ("lenet", None, (32, 32, 3), 62_006),
+        # CNN1: LeNet's convs then 400 -> 120 -> 10: 156 + 2,416 + 48,120 + 1,210
+        ("cnn1", None, (28, 28, 1), 51_902),
+        ("cnn1", None, (32, 32, 3), 52_202),
+        # CNN2: 3x3 convs 32/64/64, flatten 576 (28x28) or 1,024 (32x32), then 64 -> 10
+        ("cnn2", None, (28, 28, 1), 320 + 18_496 + 36_928 + 36_928 + 650),
+        ("cnn2", None, (32, 32, 3), 896 + 18_496 + 36_928 + 65_600 + 650),
+        ("mlp", None, (32, 32, 3), 3072 * 200 + 200 + 200 * 200 + 200 + 2_010),
         # FedReg CNN: 832 + 25,632 + 51,264 + 147,712 + 2,570
         ("fedreg_cnn", None, (28, 28, 1), 228_010),
     ],
@@ -131,7 +140,7 @@ def test_vmap_over_stacked_clients():
 
 
 def test_registry_and_unknown_name():
-    assert set(MODELS) == {"logistic", "mlp", "mlp_500_300", "mlp_200_200", "fola_cnn", "lenet",
+    assert set(MODELS) == {"logistic", "mlp", "mlp_500_300", "mlp_200_200", "fola_cnn", "lenet", "cnn1", "cnn2",
                            "resnet20", "fedreg_cnn"}
     assert isinstance(get_model("fola_cnn", 10), FolaCNN)
     assert isinstance(get_model("lenet", 10), LeNet)

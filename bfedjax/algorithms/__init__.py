@@ -1,13 +1,17 @@
 """Federated algorithms, each a bundle of pure functions (``core.types.Algorithm``), and their registry."""
+from bfedjax.algorithms.abavg import abavg
 from bfedjax.algorithms.bfl import bfl
 from bfedjax.algorithms.fedavg import fedavg, fedsgd
 from bfedjax.algorithms.fedcurv import fedcurv
 from bfedjax.algorithms.fednova import fednova
 from bfedjax.algorithms.fedprox import fedprox
 from bfedjax.algorithms.fedreg import fedreg
+from bfedjax.algorithms.fml import fml
+from bfedjax.algorithms.hbfl import hbfl
+from bfedjax.algorithms.private_models import PrivateModels
 from bfedjax.algorithms.fola import FolaConfig, fola
 from bfedjax.algorithms.registry import ALGORITHMS, build, options_of
 from bfedjax.algorithms.scaffold import scaffold
 
-__all__ = ["ALGORITHMS", "FolaConfig", "bfl", "build", "fedavg", "fedcurv", "fednova", "fedprox", "fedreg",
-           "fedsgd", "fola", "options_of", "scaffold"]
+__all__ = ["ALGORITHMS", "FolaConfig", "PrivateModels", "abavg", "bfl", "build", "fedavg", "fedcurv", "fednova",
+           "fedprox", "fedreg", "fedsgd", "fml", "fola", "hbfl", "options_of", "scaffold"]

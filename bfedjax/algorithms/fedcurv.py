@@ -112,7 +112,7 @@ def fedcurv(model, *, lam: float = 100.0, lr: float = 0.01, local_epochs: int = 
                   batch_size=batch_size, **classification(model).hooks())
     if loo:
         return Algorithm(server_update=loo_server_update,
-                         persistent_init=lambda params: {"u": tree_zeros_like(params), "v": tree_zeros_like(params)},
+                         persistent_init=lambda params, key, group: {"u": tree_zeros_like(params), "v": tree_zeros_like(params)},
                          **common)
     return Algorithm(client_stats=client_stats, server_from_stats=server_from_stats, **common)
 

@@ -10,12 +10,15 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
+from bfedjax.algorithms.abavg import abavg
 from bfedjax.algorithms.bfl import bfl
 from bfedjax.algorithms.fedavg import fedavg, fedsgd
 from bfedjax.algorithms.fedcurv import fedcurv
 from bfedjax.algorithms.fednova import fednova
 from bfedjax.algorithms.fedprox import fedprox
 from bfedjax.algorithms.fedreg import fedreg
+from bfedjax.algorithms.fml import fml
+from bfedjax.algorithms.hbfl import hbfl
 from bfedjax.algorithms.fola import FolaConfig, fola
 from bfedjax.algorithms.scaffold import scaffold
 from bfedjax.core.types import Algorithm
@@ -30,6 +33,9 @@ ALGORITHMS = {
     "scaffold": scaffold,
     "fednova": fednova,
     "fedreg": fedreg,
+    "hbfl": hbfl,
+    "fml": fml,
+    "abavg": abavg,
 }
 
 # Options that come from the federated data when not given: option -> FederatedData -> value.
@@ -58,7 +64,7 @@ def build(name: str, model, fed=None, **options) -> Algorithm:
     Args:
       name: a key of ``ALGORITHMS``.
       model: the Flax module the clients train.
-      fed: optional ``data.FederatedData``; fills ``input_shape`` (bfl), ``num_clients``
+      fed: optional ``data.FederatedData``; fills ``input_shape`` (bfl, hbfl, fml), ``num_clients``
         (scaffold) and ``client_size`` (fedsgd) when they are not among ``options``.
       options: the factory's keyword arguments, e.g. ``lr=0.01, lam=1e3`` for FOLA.
     Raises:

@@ -81,5 +81,5 @@ def scaffold(model, *, num_clients: int, lr: float = 0.1, local_epochs: int = 1,
     return Algorithm(
         name="scaffold", server_init=lambda params: {"params": params, "control": tree_zeros_like(params)},
         client_init=client_init, client_step=client_step, client_final=client_final, server_update=server_update,
-        persistent_init=tree_zeros_like, hparams={"lr": lr}, local_epochs=local_epochs, batch_size=batch_size,
+        persistent_init=lambda params, key, group: tree_zeros_like(params), hparams={"lr": lr}, local_epochs=local_epochs, batch_size=batch_size,
         **classification(model).hooks())

@@ -19,6 +19,21 @@ among the federation's real clients whatever their weights; a round whose
 real clients all weigh zero keeps the server state (their persistent state
 still moves).
 
+Architecture groups: ``RoundConfig.client_groups`` maps every client to a
+group (an architecture: HBFL's local models, a personalised head). A group's
+persistent state is its own pytree ``[N_group, ...]``; the cohort's clients of
+one group are gathered into that group's slots and trained under one vmap, and
+every group of the round runs inside the same jitted step. Messages must have
+one structure across groups (the shared part); they are merged back into the
+cohort's ``[Kp]`` order for the aggregation. With one group (the default) this
+is the plain round.
+
+Stragglers: ``RoundConfig.straggler_fraction`` makes that fraction of the
+federation's clients, drawn afresh each round from the round key (so every
+algorithm sees the same draw at a given seed), train ``x ~ U{1..E}`` epochs
+instead of E; the engine runs each client under a step budget
+(``Cohort.budgets``).
+
 Backends: ``vmap`` (the library), ``sequential`` (one jitted call per client,
 the reference the tests compare with), ``stepwise`` (a Python loop over
 clients and batches with one jitted step per batch, FedJAX's design and the
@@ -34,6 +49,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from bfedjax.core.batching import batch_is_real, epoch_permutation, take_batch
 from bfedjax.core.types import Algorithm, ClientContext, ClientData
@@ -41,10 +57,13 @@ from bfedjax.tree import tree_stack, weighted_sum
 
 BACKENDS = ("vmap", "sequential", "stepwise", "debug")
 SERVER_KEY_STREAM = 0x5E5E  # the server's key is fold_in(round key, this): sampling and client keys stay as they were
+STRAGGLER_KEY_STREAM = 0x57A6  # the straggler draw's key: fold_in(round key, this)
+NO_BUDGET = jnp.iinfo(jnp.int32).max  # a step budget that never binds
 
 
 class EngineState(NamedTuple):
-    """server: the algorithm's server state; persistent: per-client state, leaves ``[N, ...]`` (or ``()``)."""
+    """server: the algorithm's server state; persistent: a tuple with one entry per architecture
+    group, each the group's per-client state with leaves ``[N_group, ...]`` (or ``()``)."""
 
     server: Any
     persistent: Any
@@ -57,7 +76,9 @@ class RoundArrays(NamedTuple):
     base_weights: ``[N]`` client weights before renormalisation over the cohort
     (pi_n = m_n / m by default); client_mask: ``[N]`` float32, 1 for a client of
     the federation and 0 for an empty client added to fill a device mesh;
-    x_test: ``[T, ...]``; y_test: ``[T, ...]``.
+    x_test: ``[T, ...]``; y_test: ``[T, ...]``: the global test set.
+    Optional per-client test splits (``None`` when the federation has none):
+    x_test_clients ``[N, max_t, ...]``, y_test_clients ``[N, max_t, ...]``, test_counts ``[N]`` int32.
     """
 
     x: jax.Array
@@ -67,6 +88,9 @@ class RoundArrays(NamedTuple):
     client_mask: jax.Array
     x_test: jax.Array
     y_test: jax.Array
+    x_test_clients: jax.Array | None = None
+    y_test_clients: jax.Array | None = None
+    test_counts: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +104,8 @@ class RoundConfig:
     evaluate_local: also score every local model with the evaluate hook (LA).
     pad_cohort_to: round the cohort up to a multiple of this (the device count when the
       client axis is sharded); the extra slots are padding.
+    client_groups: ``N`` ints, each client's architecture group (``None``: every client in group 0).
+    straggler_fraction: the fraction of clients that train fewer epochs each round (0: none).
     """
 
     num_clients: int
@@ -87,6 +113,8 @@ class RoundConfig:
     clients_per_chunk: int | None = None
     evaluate_local: bool = True
     pad_cohort_to: int = 1
+    client_groups: tuple[int, ...] | None = None
+    straggler_fraction: float = 0.0
 
     def __post_init__(self):
         if not 1 <= self.clients_per_round <= self.num_clients:
@@ -94,29 +122,80 @@ class RoundConfig:
                 f"clients_per_round={self.clients_per_round} must be in [1, num_clients={self.num_clients}]")
         if self.clients_per_chunk is not None and self.clients_per_chunk < 1:
             raise ValueError(f"clients_per_chunk={self.clients_per_chunk} must be >= 1 (or None for no chunking)")
+        if self.client_groups is not None:
+            groups = tuple(int(g) for g in self.client_groups)
+            if len(groups) != self.num_clients or min(groups) < 0:
+                raise ValueError(f"client_groups must give each of the {self.num_clients} clients a group >= 0, "
+                                 f"got {len(groups)} entries")
+            object.__setattr__(self, "client_groups", groups)
+        if not 0.0 <= self.straggler_fraction <= 1.0:
+            raise ValueError(f"straggler_fraction={self.straggler_fraction} must be in [0, 1], e.g. 0.5")
 
     @property
     def padded_cohort(self) -> int:
         """Cohort size rounded up to a whole number of chunks (extra slots are padding)."""
+        return self._rounded_up(self.clients_per_round)
+
+    def _rounded_up(self, slots: int) -> int:
         multiple = math.lcm(self.clients_per_chunk or 1, self.pad_cohort_to)
-        return math.ceil(self.clients_per_round / multiple) * multiple
+        return math.ceil(slots / multiple) * multiple
+
+    @property
+    def group_of(self) -> np.ndarray:
+        """``[N]`` int32 group of every client."""
+        if self.client_groups is None:
+            return np.zeros(self.num_clients, np.int32)
+        return np.asarray(self.client_groups, np.int32)
+
+    @property
+    def num_groups(self) -> int:
+        return int(self.group_of.max()) + 1
+
+    def members(self, group: int) -> np.ndarray:
+        """Client ids of ``group`` in increasing order, ``[N_group]``."""
+        return np.flatnonzero(self.group_of == group).astype(np.int32)
+
+    @property
+    def index_in_group(self) -> np.ndarray:
+        """``[N]`` row of each client in its group's persistent state."""
+        index = np.zeros(self.num_clients, np.int32)
+        for g in range(self.num_groups):
+            index[self.members(g)] = np.arange(len(self.members(g)))
+        return index
+
+    def group_slots(self, group: int) -> int:
+        """Cohort slots of ``group``: ``min(K, N_group)`` rounded up like the cohort (one group: ``Kp``)."""
+        return self._rounded_up(min(self.clients_per_round, len(self.members(group))))
 
 
-def init_state(algorithm: Algorithm, params, num_clients: int) -> EngineState:
-    """Server state from initial ``params`` and per-client persistent state ``[N, ...]``."""
+PERSISTENT_INIT_STREAM = 0x9E45  # client n's persistent_init key: fold_in(fold_in(key, this), n)
+
+
+def init_state(algorithm: Algorithm, params, config: RoundConfig, key: jax.Array | None = None) -> EngineState:
+    """Server state from initial ``params`` and each group's persistent state ``[N_group, ...]``.
+
+    Client ``n`` of group ``g`` starts from ``persistent_init(params, key_n, g)``.
+    """
     server = algorithm.server_init(params)
+    if config.num_groups > algorithm.num_groups:
+        raise ValueError(f"{algorithm.name} has {algorithm.num_groups} architecture group(s) but client_groups uses "
+                         f"{config.num_groups}; fix: give it one local model per group or remap the clients")
     if algorithm.persistent_init is None:
-        return EngineState(server, ())
-    one = algorithm.persistent_init(params)
-    persistent = jax.tree.map(lambda x: jnp.broadcast_to(x, (num_clients,) + jnp.shape(x)), one)
-    return EngineState(server, persistent)
+        return EngineState(server, tuple(() for _ in range(config.num_groups)))
+    base = jax.random.fold_in(jax.random.PRNGKey(0) if key is None else key, PERSISTENT_INIT_STREAM)
+    persistent = []
+    for g in range(config.num_groups):
+        keys = jax.vmap(lambda n: jax.random.fold_in(base, n))(jnp.asarray(config.members(g)))
+        persistent.append(jax.vmap(lambda k: algorithm.persistent_init(params, k, g))(keys))
+    return EngineState(server, tuple(persistent))
 
 
-def local_training(algorithm: Algorithm, ctx: ClientContext, key: jax.Array):
+def local_training(algorithm: Algorithm, ctx: ClientContext, key: jax.Array, step_budget=NO_BUDGET):
     """Runs one client's local epochs; returns ``client_final``'s ``(message, persistent, metrics)``.
 
     Epochs run under ``lax.scan``; within an epoch a ``lax.while_loop`` takes
-    the client's ``ceil(count / B)`` batches. Under ``vmap`` the loop runs
+    the client's ``ceil(count / B)`` batches, and stops early once the client
+    has taken ``step_budget`` steps in the round (a straggler). Under ``vmap`` the loop runs
     until the largest client of the vmapped group is done and leaves finished
     clients' states unchanged, so a group of similar-sized clients (the engine
     sorts the cohort by size before chunking) does little padded work.
@@ -126,36 +205,64 @@ def local_training(algorithm: Algorithm, ctx: ClientContext, key: jax.Array):
     max_n = ctx.data.y.shape[0]
     batch_size = algorithm.batch_size
 
-    def epoch(local, e):
+    def epoch(carry, e):
+        taken, local = carry
         order = epoch_permutation(perm_key, ctx.data.count, max_n, e)
         epoch_key = jax.random.fold_in(step_key, e)
 
         def step(carry):
-            j, local = carry
+            j, taken, local = carry
             batch = take_batch(ctx.data, order, j, batch_size)
-            return j + 1, algorithm.client_step(local, batch, ctx, jax.random.fold_in(epoch_key, j))
+            return j + 1, taken + 1, algorithm.client_step(local, batch, ctx, jax.random.fold_in(epoch_key, j))
 
-        _, local = jax.lax.while_loop(lambda carry: batch_is_real(ctx.data, carry[0], batch_size), step,
-                                      (jnp.int32(0), local))
-        return local, None
+        def more(carry):
+            j, taken, _ = carry
+            return batch_is_real(ctx.data, j, batch_size) & (taken < step_budget)
 
-    local, _ = jax.lax.scan(epoch, local, jnp.arange(algorithm.local_epochs))
+        _, taken, local = jax.lax.while_loop(more, step, (jnp.int32(0), taken, local))
+        return (taken, local), None
+
+    (_, local), _ = jax.lax.scan(epoch, (jnp.int32(0), local), jnp.arange(algorithm.local_epochs))
     return algorithm.client_final(local, ctx)
 
 
 class Cohort(NamedTuple):
     """The clients of one round. ids: ``[Kp]`` client index (``N`` on padding slots);
     mask: ``[Kp]`` 1 for a real client; weights: ``[Kp]`` sum to 1 over the real clients;
-    keys: ``[Kp]`` per-client keys (depend on the round key and the client id only)."""
+    keys: ``[Kp]`` per-client keys (depend on the round key and the client id only);
+    budgets: ``[Kp]`` int32 local steps each client may take this round (``NO_BUDGET``: all)."""
 
     ids: jax.Array
     mask: jax.Array
     weights: jax.Array
     keys: jax.Array
+    budgets: jax.Array
 
 
-def sample_cohort(config: RoundConfig, arrays: RoundArrays, key) -> Cohort:
-    """K clients without replacement among the federation's, padded to ``config.padded_cohort`` slots."""
+def straggler_epochs(config: RoundConfig, arrays: RoundArrays, key: jax.Array, local_epochs: int) -> jax.Array:
+    """``[N]`` int32 epochs each client may train this round.
+
+    The ``round(straggler_fraction * N_real)`` real clients with the smallest
+    draw ``u_n`` are stragglers and train ``x_n ~ U{1..E}`` epochs; the others E.
+    Both draws depend only on ``fold_in(round key, STRAGGLER_KEY_STREAM)`` and
+    the client id, so every algorithm sees the same stragglers at a given seed.
+    """
+    n = config.num_clients
+    stream = jax.random.fold_in(key, STRAGGLER_KEY_STREAM)
+    draws = jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(stream, i), (2,)))(jnp.arange(n))
+    real = arrays.client_mask > 0
+    score = jnp.where(real, draws[:, 0], 2.0)
+    rank = jnp.argsort(jnp.argsort(score))
+    stragglers = real & (rank < jnp.round(config.straggler_fraction * jnp.sum(real)))
+    fewer = 1 + jnp.minimum(jnp.floor(draws[:, 1] * local_epochs), local_epochs - 1).astype(jnp.int32)
+    return jnp.where(stragglers, fewer, local_epochs).astype(jnp.int32)
+
+
+def sample_cohort(config: RoundConfig, arrays: RoundArrays, key, batch_size: int = 1, local_epochs: int = 1) -> Cohort:
+    """K clients without replacement among the federation's, padded to ``config.padded_cohort`` slots.
+
+    ``batch_size`` and ``local_epochs`` turn straggler epochs into step budgets.
+    """
     n, k, kp = config.num_clients, config.clients_per_round, config.padded_cohort
     sample_key, client_key = jax.random.split(key)
     if k == n:
@@ -172,7 +279,12 @@ def sample_cohort(config: RoundConfig, arrays: RoundArrays, key) -> Cohort:
     raw = jnp.where(mask > 0, arrays.base_weights[safe], 0.0)
     weights = raw / jnp.maximum(jnp.sum(raw), 1e-30)
     keys = jax.vmap(lambda i: jax.random.fold_in(client_key, i))(ids)
-    return Cohort(ids, mask, weights, keys)
+    budgets = jnp.full((kp,), NO_BUDGET, jnp.int32)
+    if config.straggler_fraction > 0:
+        epochs = straggler_epochs(config, arrays, key, local_epochs)[safe]
+        steps_per_epoch = (jnp.where(ids < n, arrays.counts[safe], 0) + batch_size - 1) // batch_size
+        budgets = jnp.where(epochs < local_epochs, epochs * steps_per_epoch, NO_BUDGET).astype(jnp.int32)
+    return Cohort(ids, mask, weights, keys, budgets)
 
 
 def server_key_of(round_key: jax.Array) -> jax.Array:
@@ -180,27 +292,101 @@ def server_key_of(round_key: jax.Array) -> jax.Array:
     return jax.random.fold_in(round_key, SERVER_KEY_STREAM)
 
 
-def _client_inputs(state: EngineState, arrays: RoundArrays, client_id):
-    """Data and persistent state of one client (padding id N gives an empty client)."""
+def _group_rows(config: RoundConfig, client_ids, group: int):
+    """Rows of ``client_ids`` in ``group``'s persistent state (0 for padding ids and other groups' clients)."""
+    n = config.num_clients
+    safe = jnp.minimum(client_ids, n - 1)
+    own = (client_ids < n) & (jnp.asarray(config.group_of)[safe] == group)
+    return jnp.where(own, jnp.asarray(config.index_in_group)[safe], 0)
+
+
+def _client_inputs(state: EngineState, arrays: RoundArrays, config: RoundConfig, client_id, group: int):
+    """Data and persistent state of one client of ``group`` (padding id N gives an empty client)."""
     n = arrays.counts.shape[0]
     safe = jnp.minimum(client_id, n - 1)
     count = jnp.where(client_id < n, arrays.counts[safe], 0)
     data = ClientData(arrays.x[safe], arrays.y[safe], count)
-    persistent = jax.tree.map(lambda p: p[safe], state.persistent)
+    row = _group_rows(config, client_id, group)
+    persistent = jax.tree.map(lambda p: p[row], state.persistent[group])
     return data, persistent
 
 
-def _run_one_client(algorithm, state, arrays, hparams, client_id, key):
-    data, persistent = _client_inputs(state, arrays, client_id)
-    ctx = ClientContext(state.server, persistent, data, hparams)
-    return local_training(algorithm, ctx, key)
+def _with_client_test_metrics(algorithm: Algorithm, arrays: RoundArrays, client_id, outputs, group: int):
+    """Adds ``client_test_<name>``: the client's own models scored on its own test split (if the federation has one)."""
+    message, persistent, metrics = outputs
+    if arrays.test_counts is None:
+        return outputs
+    n = arrays.test_counts.shape[0]
+    safe = jnp.minimum(client_id, n - 1)
+    x, y = arrays.x_test_clients[safe], arrays.y_test_clients[safe]
+    count = jnp.where(client_id < n, arrays.test_counts[safe], 0)
+    mask = (jnp.arange(y.shape[0]) < count).astype(jnp.float32)
+    if algorithm.evaluate_client is not None:
+        scores = algorithm.evaluate_client(message, persistent, x, y, mask, group)
+    elif algorithm.evaluate is not None and isinstance(message, dict) and "params" in message:
+        scores = algorithm.evaluate(message["params"], x, y, mask)
+    else:
+        return outputs
+    scores = {f"client_test_{name}": value for name, value in scores.items()}
+    clash = sorted(set(scores) & set(metrics))
+    if clash:
+        raise ValueError(f"{algorithm.name}: client metrics {clash} clash with the per-client test metrics; fix: rename")
+    return message, persistent, {**metrics, **scores}
 
 
-def _scatter(persistent, ids, mask, new):
+def _run_one_client(algorithm, config, state, arrays, hparams, client_id, key, budget, group):
+    data, persistent = _client_inputs(state, arrays, config, client_id, group)
+    ctx = ClientContext(state.server, persistent, data, hparams, group)
+    outputs = local_training(algorithm, ctx, key, budget)
+    return _with_client_test_metrics(algorithm, arrays, client_id, outputs, group)
+
+
+def _scatter(persistent, rows, mask, new):
     """Writes the real clients' new persistent rows (padding slots are dropped)."""
-    n = jax.tree.leaves(persistent)[0].shape[0] if jax.tree.leaves(persistent) else 0
-    ids = jnp.where(mask > 0, ids, n)
-    return jax.tree.map(lambda all_, new_: all_.at[ids].set(new_, mode="drop"), persistent, new)
+    if not jax.tree.leaves(persistent):  # no persistent state (the client returns an empty pytree)
+        return persistent
+    n = jax.tree.leaves(persistent)[0].shape[0]
+    rows = jnp.where(mask > 0, rows, n)
+    return jax.tree.map(lambda all_, new_: all_.at[rows].set(new_, mode="drop"), persistent, new)
+
+
+def _group_cohorts(config: RoundConfig, cohort: Cohort):
+    """``[(group, positions, sub_cohort)]``: each group's clients of the cohort in ``group_slots(g)`` slots.
+
+    ``positions [S_g]`` are the slots' places in the cohort (``Kp`` on padding; ``None`` for the single
+    group, whose sub-cohort is the cohort itself).
+    """
+    if config.num_groups == 1:
+        return [(0, None, cohort)]
+    n, kp = config.num_clients, cohort.ids.shape[0]
+    safe = jnp.minimum(cohort.ids, n - 1)
+    group = jnp.where(cohort.ids < n, jnp.asarray(config.group_of)[safe], -1)
+    out = []
+    for g in range(config.num_groups):
+        positions = jnp.nonzero(group == g, size=config.group_slots(g), fill_value=kp)[0]
+        real = positions < kp
+        take = lambda a: a[jnp.minimum(positions, kp - 1)]
+        sub = Cohort(jnp.where(real, take(cohort.ids), n), jnp.where(real, take(cohort.mask), 0.0),
+                     jnp.where(real, take(cohort.weights), 0.0), take(cohort.keys), take(cohort.budgets))
+        out.append((g, positions, sub))
+    return out
+
+
+def _merge_groups(parts, kp: int):
+    """Per-group trees ``[S_g, ...]`` written back into the cohort's ``[Kp, ...]`` order."""
+    if len(parts) == 1 and parts[0][0] is None:
+        return parts[0][1]
+    first = parts[0][1]
+    signature = lambda tree: jax.tree.map(lambda x: (x.shape[1:], x.dtype), tree)
+    for g, (_, tree) in enumerate(parts[1:], 1):
+        if jax.tree.structure(tree) != jax.tree.structure(first) or signature(tree) != signature(first):
+            raise ValueError(f"architecture group {g}'s client messages or metrics differ in structure or shape from "
+                             "group 0's; fix: send only the part every group shares (e.g. the meme or the trunk) and "
+                             "keep the rest in the persistent state")
+    out = jax.tree.map(lambda x: jnp.zeros((kp,) + x.shape[1:], x.dtype), first)
+    for positions, tree in parts:
+        out = jax.tree.map(lambda o, t: o.at[positions].set(t, mode="drop"), out, tree)
+    return out
 
 
 def _client_metric_sums(metrics, mask):
@@ -251,31 +437,26 @@ def _kept_if_nobody_counts(new_server, old_server, weights, mask):
     return jax.tree.map(lambda new, old: jnp.where(counts, new, old), new_server, old_server)
 
 
-def _finish(algorithm, config, state, arrays, cohort, outputs, hparams, server_key):
-    """Aggregation of stacked messages, persistent-state scatter and evaluation (all backends)."""
-    messages, new_persistent, client_metrics = outputs
+def _finish(algorithm, config, state, arrays, cohort, messages, client_metrics, persistent, hparams, server_key):
+    """Aggregation of the cohort's stacked messages ``[Kp, ...]`` and evaluation (all backends)."""
     server, server_metrics = algorithm.aggregate(state.server, messages, cohort.weights, cohort.mask, hparams,
                                                  server_key)
     server = _kept_if_nobody_counts(server, state.server, cohort.weights, cohort.mask)
     local_sums = _local_metric_sums(algorithm, config, arrays, messages, cohort.weights, cohort.mask)
     metrics = _round_metrics(algorithm, arrays, server, server_metrics, _client_metric_sums(client_metrics, cohort.mask),
                              cohort.mask, local_sums)
-    return EngineState(server, _scatter(state.persistent, cohort.ids, cohort.mask, new_persistent)), metrics
+    return EngineState(server, persistent), metrics
 
 
-def _streamed_round(algorithm, config, state, arrays, cohort, train, hparams, server_key):
-    """Chunks run under ``lax.scan`` into a running weighted sum of ``client_stats``.
-
-    Memory holds one chunk's clients and one copy of the statistics, whatever
-    the cohort size; client and local metrics are summed chunk by chunk too.
-    """
+def _streamed_group(algorithm, config, arrays, sub, train, persistent, group):
+    """One group's chunks under ``lax.scan`` into running sums of ``(client_stats, client metrics, local metrics)``."""
     chunk = config.clients_per_chunk
-    n_chunks = config.padded_cohort // chunk
+    n_chunks = sub.ids.shape[0] // chunk
     split = lambda a: a.reshape((n_chunks, chunk) + a.shape[1:])
-    chunks = (split(cohort.ids), split(cohort.mask), split(cohort.weights), split(cohort.keys))
+    chunks = tuple(split(a) for a in (sub.ids, sub.mask, sub.weights, sub.keys, sub.budgets))
 
-    def chunk_sums(ids, mask, w, keys):
-        messages, new_persistent, client_metrics = train(ids, keys)
+    def chunk_sums(ids, mask, w, keys, budgets):
+        messages, new_persistent, client_metrics = train(ids, keys, budgets)
         sums = (weighted_sum(jax.vmap(algorithm.client_stats)(messages), w),
                 _client_metric_sums(client_metrics, mask),
                 _local_metric_sums(algorithm, config, arrays, messages, w, mask))
@@ -286,15 +467,30 @@ def _streamed_round(algorithm, config, state, arrays, cohort, train, hparams, se
 
     def body(carry, xs):
         sums, persistent = carry
-        ids, mask, w, keys = xs
-        new_sums, new_persistent = chunk_sums(ids, mask, w, keys)
-        return (jax.tree.map(jnp.add, sums, new_sums), _scatter(persistent, ids, mask, new_persistent)), None
+        new_sums, new_persistent = chunk_sums(*xs)
+        ids, mask = xs[0], xs[1]
+        persistent = _scatter(persistent, _group_rows(config, ids, group), mask, new_persistent)
+        return (jax.tree.map(jnp.add, sums, new_sums), persistent), None
 
-    ((stats, client_sums, local_sums), persistent), _ = jax.lax.scan(body, (zeros, state.persistent), chunks)
+    (sums, persistent), _ = jax.lax.scan(body, (zeros, persistent), chunks)
+    return sums, persistent
+
+
+def _streamed_round(algorithm, config, state, arrays, cohort, groups, trainer, hparams, server_key):
+    """Chunks run under ``lax.scan`` into a running weighted sum of ``client_stats``.
+
+    Memory holds one chunk's clients and one copy of the statistics, whatever
+    the cohort size; client and local metrics are summed chunk by chunk too.
+    """
+    persistent, totals = list(state.persistent), None
+    for g, _, sub in groups:
+        sums, persistent[g] = _streamed_group(algorithm, config, arrays, sub, trainer(g), persistent[g], g)
+        totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+    stats, client_sums, local_sums = totals
     server, server_metrics = algorithm.server_from_stats(state.server, stats, cohort.mask, hparams, server_key)
     server = _kept_if_nobody_counts(server, state.server, cohort.weights, cohort.mask)
     metrics = _round_metrics(algorithm, arrays, server, server_metrics, client_sums, cohort.mask, local_sums)
-    return EngineState(server, persistent), metrics
+    return EngineState(server, tuple(persistent)), metrics
 
 
 def make_round_step(algorithm: Algorithm, config: RoundConfig, backend: str = "vmap"):
@@ -312,37 +508,49 @@ def make_round_step(algorithm: Algorithm, config: RoundConfig, backend: str = "v
     if backend == "sequential":
         return _sequential_round_fn(algorithm, config)
     if backend == "stepwise":
-        return _looped_round(algorithm, config, _looped_client(algorithm, jax.jit, _call), jax.jit)
+        return _looped_round(algorithm, config, _looped_client(algorithm, config, jax.jit, _call), jax.jit)
     return _debug_round_fn(algorithm, config)
 
 
 def _vmapped_round(algorithm, config, state, arrays, key, hparams):
-    cohort = sample_cohort(config, arrays, key)
+    cohort = sample_cohort(config, arrays, key, algorithm.batch_size, algorithm.local_epochs)
     server_key = server_key_of(key)
-    one = lambda cid, k: _run_one_client(algorithm, state, arrays, hparams, cid, k)
     chunk = config.clients_per_chunk
-    if chunk == 1:  # one client at a time without a vmap: convolutions stay ungrouped (fast on CPU)
-        train = lambda ids, keys: jax.tree.map(lambda x: jnp.asarray(x)[None], one(ids[0], keys[0]))
-    else:
-        train = jax.vmap(one)
-    everyone = config.clients_per_round == config.num_clients == config.padded_cohort
-    if everyone and chunk is None:
-        # Full participation: vmap straight over the stored client axis (no gather copy).
-        def train_in_place(data, persistent, k):
-            return local_training(algorithm, ClientContext(state.server, persistent, data, hparams), k)
-        data = ClientData(arrays.x, arrays.y, arrays.counts)
-        outputs = jax.vmap(train_in_place)(data, state.persistent, cohort.keys)
-    elif chunk is None or chunk >= config.padded_cohort:
-        outputs = train(cohort.ids, cohort.keys)
-    elif algorithm.streams:
-        return _streamed_round(algorithm, config, state, arrays, cohort, train, hparams, server_key)
-    else:
-        n_chunks = config.padded_cohort // chunk
-        ids = cohort.ids.reshape(n_chunks, chunk)
-        keys = cohort.keys.reshape((n_chunks, chunk) + cohort.keys.shape[1:])
-        out = jax.lax.map(lambda args: train(*args), (ids, keys))
-        outputs = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), out)
-    return _finish(algorithm, config, state, arrays, cohort, outputs, hparams, server_key)
+    groups = _group_cohorts(config, cohort)
+
+    def trainer(g):
+        one = lambda cid, k, b: _run_one_client(algorithm, config, state, arrays, hparams, cid, k, b, g)
+        if chunk == 1:  # one client at a time without a vmap: convolutions stay ungrouped (fast on CPU)
+            return lambda ids, keys, budgets: jax.tree.map(lambda x: jnp.asarray(x)[None],
+                                                           one(ids[0], keys[0], budgets[0]))
+        return jax.vmap(one)
+
+    if chunk is not None and chunk < config.padded_cohort and algorithm.streams:
+        return _streamed_round(algorithm, config, state, arrays, cohort, groups, trainer, hparams, server_key)
+    everyone = config.clients_per_round == config.num_clients == config.padded_cohort and config.num_groups == 1
+    persistent, parts = list(state.persistent), []
+    for g, positions, sub in groups:
+        slots = sub.ids.shape[0]
+        if everyone and chunk is None:
+            # Full participation: vmap straight over the stored client axis (no gather copy).
+            def train_in_place(data, persistent, cid, k, b):
+                ctx = ClientContext(state.server, persistent, data, hparams, 0)
+                return _with_client_test_metrics(algorithm, arrays, cid, local_training(algorithm, ctx, k, b), 0)
+            data = ClientData(arrays.x, arrays.y, arrays.counts)
+            outputs = jax.vmap(train_in_place)(data, state.persistent[0], sub.ids, sub.keys, sub.budgets)
+        elif chunk is None or chunk >= slots:
+            outputs = trainer(g)(sub.ids, sub.keys, sub.budgets)
+        else:
+            n_chunks = slots // chunk
+            split = lambda a: a.reshape((n_chunks, chunk) + a.shape[1:])
+            out = jax.lax.map(lambda args: trainer(g)(*args), (split(sub.ids), split(sub.keys), split(sub.budgets)))
+            outputs = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), out)
+        messages, new_persistent, client_metrics = outputs
+        persistent[g] = _scatter(persistent[g], _group_rows(config, sub.ids, g), sub.mask, new_persistent)
+        parts.append((positions, (messages, client_metrics)))
+    messages, client_metrics = _merge_groups(parts, config.padded_cohort)
+    return _finish(algorithm, config, state, arrays, cohort, messages, client_metrics, tuple(persistent), hparams,
+                   server_key)
 
 
 def _looped_round(algorithm, config, one_client, wrap):
@@ -350,21 +558,36 @@ def _looped_round(algorithm, config, one_client, wrap):
 
     ``wrap`` is ``jax.jit`` for the sampling and the aggregation, or the identity (debug).
     """
-    sample = wrap(lambda arrays, key: sample_cohort(config, arrays, key))
+    sample = wrap(lambda arrays, key: sample_cohort(config, arrays, key, algorithm.batch_size,
+                                                    algorithm.local_epochs))
     finish = wrap(lambda *args: _finish(algorithm, config, *args))
+    scatter = wrap(_scatter)
+    n, group_of = config.num_clients, config.group_of
 
     def round_step(state, arrays, key, hparams):
         cohort = sample(arrays, key)
-        outputs = [one_client(state, arrays, hparams, int(cohort.ids[i]), cohort.keys[i])
+        ids = np.asarray(cohort.ids)
+        groups = [int(group_of[min(cid, n - 1)]) for cid in ids]
+        outputs = [one_client(state, arrays, hparams, int(ids[i]), cohort.keys[i], cohort.budgets[i], groups[i])
                    for i in range(config.padded_cohort)]
-        return finish(state, arrays, cohort, tree_stack(outputs), hparams, server_key_of(key))
+        persistent = list(state.persistent)
+        for g in range(config.num_groups):
+            slots = [i for i in range(len(ids)) if ids[i] < n and groups[i] == g]
+            if slots and jax.tree.leaves(persistent[g]):
+                rows = jnp.asarray(config.index_in_group[ids[slots]])
+                persistent[g] = scatter(persistent[g], rows, cohort.mask[np.asarray(slots)],
+                                        tree_stack([outputs[i][1] for i in slots]))
+        messages, metrics = tree_stack([o[0] for o in outputs]), tree_stack([o[2] for o in outputs])
+        return finish(state, arrays, cohort, messages, metrics, tuple(persistent), hparams, server_key_of(key))
 
     return round_step
 
 
 def _sequential_round_fn(algorithm, config):
     """One jitted call per client (the whole local training)."""
-    run = jax.jit(lambda state, arrays, hparams, cid, k: _run_one_client(algorithm, state, arrays, hparams, cid, k))
+    run = jax.jit(lambda state, arrays, hparams, cid, k, b, g: _run_one_client(algorithm, config, state, arrays,
+                                                                                hparams, cid, k, b, g),
+                  static_argnums=6)
     return _looped_round(algorithm, config, run, jax.jit)
 
 
@@ -373,33 +596,38 @@ def _call(stage, client, fn, *args):
     return fn(*args)
 
 
-def _looped_client(algorithm, wrap, call):
+def _looped_client(algorithm, config, wrap, call):
     """``one_client`` of the stepwise and debug backends: Python loops over epochs and real batches.
 
     ``wrap`` compiles each stage (``jax.jit``, or the identity for debug); ``call(stage, client, fn, *args)``
     runs one stage (debug adds the client and stage to errors).
     """
     batch_size = algorithm.batch_size
-    inputs = wrap(_client_inputs)
+    inputs = {g: wrap(lambda state, arrays, cid, g=g: _client_inputs(state, arrays, config, cid, g))
+              for g in range(config.num_groups)}
+    client_test = {g: wrap(lambda arrays, cid, out, g=g: _with_client_test_metrics(algorithm, arrays, cid, out, g))
+                   for g in range(config.num_groups)}
     init = wrap(algorithm.client_init)
     order_of = wrap(epoch_permutation, static_argnums=2) if wrap is jax.jit else epoch_permutation
     step = wrap(lambda local, ctx, order, j, key: algorithm.client_step(
         local, take_batch(ctx.data, order, j, batch_size), ctx, key))
     final = wrap(algorithm.client_final)
 
-    def one_client(state, arrays, hparams, client_id, key):
-        data, persistent = inputs(state, arrays, client_id)
-        ctx = ClientContext(state.server, persistent, data, hparams)
+    def one_client(state, arrays, hparams, client_id, key, budget, group):
+        data, persistent = inputs[group](state, arrays, client_id)
+        ctx = ClientContext(state.server, persistent, data, hparams, group)
         init_key, perm_key, step_key = jax.random.split(key, 3)  # as local_training
         local = call("init", client_id, init, ctx, init_key)
-        real_batches = math.ceil(int(data.count) / batch_size)
+        real_batches, taken = math.ceil(int(data.count) / batch_size), 0
         for e in range(algorithm.local_epochs):
             order = order_of(perm_key, data.count, data.y.shape[0], e)
             epoch_key = jax.random.fold_in(step_key, e)
-            for j in range(real_batches):
+            for j in range(min(real_batches, int(budget) - taken)):
                 local = call(f"step (epoch {e}, batch {j})", client_id, step, local, ctx, order, j,
                              jax.random.fold_in(epoch_key, j))
-        return call("final", client_id, final, local, ctx)
+                taken += 1
+        out = call("final", client_id, final, local, ctx)
+        return call("client test", client_id, client_test[group], arrays, client_id, out)
 
     return one_client
 
@@ -443,7 +671,7 @@ def _debug_round_fn(algorithm, config):
         client_stats=None, server_from_stats=None,
         evaluate=None if algorithm.evaluate is None else
         (lambda *args: _debug_call("evaluate", None, algorithm.evaluate, *args)))
-    round_step = _looped_round(checked, config, _looped_client(algorithm, identity, _debug_call), identity)
+    round_step = _looped_round(checked, config, _looped_client(algorithm, config, identity, _debug_call), identity)
 
     def debug_round(state, arrays, key, hparams):
         with jax.disable_jit():
@@ -452,5 +680,5 @@ def _debug_round_fn(algorithm, config):
     return debug_round
 
 
-__all__ = ["BACKENDS", "Cohort", "EngineState", "RoundArrays", "RoundConfig", "StageError", "init_state",
-           "local_training", "make_round_step", "sample_cohort", "server_key_of"]
+__all__ = ["BACKENDS", "NO_BUDGET", "Cohort", "EngineState", "RoundArrays", "RoundConfig", "StageError", "init_state",
+           "local_training", "make_round_step", "sample_cohort", "server_key_of", "straggler_epochs"]

@@ -40,20 +40,29 @@ def pad_clients(arrays: RoundArrays, num_clients: int) -> RoundArrays:
     extra = num_clients - arrays.counts.shape[0]
     if extra <= 0:
         return arrays
-    pad = lambda a: jnp.concatenate([a, jnp.zeros((extra,) + a.shape[1:], a.dtype)])
+    pad = lambda a: None if a is None else jnp.concatenate([a, jnp.zeros((extra,) + a.shape[1:], a.dtype)])
     return arrays._replace(x=pad(arrays.x), y=pad(arrays.y), counts=pad(arrays.counts),
-                           base_weights=pad(arrays.base_weights), client_mask=pad(arrays.client_mask))
+                           base_weights=pad(arrays.base_weights), client_mask=pad(arrays.client_mask),
+                           x_test_clients=pad(arrays.x_test_clients), y_test_clients=pad(arrays.y_test_clients),
+                           test_counts=pad(arrays.test_counts))
 
 
 def shard_arrays(arrays: RoundArrays, mesh: Mesh) -> RoundArrays:
     """Client-axis arrays sharded over ``'clients'``; the test set replicated."""
     by_client = NamedSharding(mesh, P(AXIS))
     replicated = NamedSharding(mesh, P())
-    return RoundArrays(*(jax.device_put(a, by_client) for a in arrays[:5]),
-                       jax.device_put(arrays.x_test, replicated), jax.device_put(arrays.y_test, replicated))
+    global_test = ("x_test", "y_test")
+    return RoundArrays(**{name: None if a is None else jax.device_put(a, replicated if name in global_test else by_client)
+                          for name, a in arrays._asdict().items()})
 
 
 def shard_state(state: EngineState, mesh: Mesh) -> EngineState:
-    """Server state replicated, per-client persistent state sharded over ``'clients'``."""
+    """Server state replicated; each architecture group's persistent state ``[N_group, ...]`` sharded over
+    ``'clients'`` when ``N_group`` is a multiple of the device count, else replicated."""
+    def place(group_state):
+        leaves = jax.tree.leaves(group_state)
+        divisible = leaves and leaves[0].shape[0] % mesh.devices.size == 0
+        return jax.device_put(group_state, NamedSharding(mesh, P(AXIS) if divisible else P()))
+
     return EngineState(jax.device_put(state.server, NamedSharding(mesh, P())),
-                       jax.device_put(state.persistent, NamedSharding(mesh, P(AXIS))))
+                       tuple(place(group_state) for group_state in state.persistent))

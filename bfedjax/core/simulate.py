@@ -49,9 +49,13 @@ def round_arrays(fed, client_weights=None) -> RoundArrays:
     weights = fed.weights if client_weights is None else np.asarray(client_weights, np.float32)
     if weights.shape != (fed.num_clients,) or np.any(weights < 0) or weights.sum() <= 0:
         raise ValueError(f"client_weights must be {fed.num_clients} non-negative numbers with a positive sum")
+    own_tests = {}
+    if fed.test_counts is not None:
+        own_tests = dict(x_test_clients=jnp.asarray(fed.x_test_clients), y_test_clients=jnp.asarray(fed.y_test_clients),
+                         test_counts=jnp.asarray(fed.test_counts))
     return RoundArrays(jnp.asarray(fed.x), jnp.asarray(fed.y), jnp.asarray(fed.counts),
                        jnp.asarray(weights / weights.sum()), jnp.ones(fed.num_clients, jnp.float32),
-                       jnp.asarray(fed.x_test), jnp.asarray(fed.y_test))
+                       jnp.asarray(fed.x_test), jnp.asarray(fed.y_test), **own_tests)
 
 
 def traced_hparams(algorithm: Algorithm, round_index: int, overrides: dict | None = None) -> dict:
@@ -84,7 +88,7 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
              clients_per_chunk: int | None = None, backend: str = "vmap", client_weights=None,
              hparams_fn: Callable[[int], dict] | None = None, evaluate_local: bool = True,
              init_params=None, init_server=None, checkpoint_dir: str | None = None,
-             mesh=None,
+             mesh=None, client_groups=None, straggler_fraction: float = 0.0,
              on_round: Callable[[dict], None] | None = None,
              stop_when: Callable[[list[dict]], bool] | None = None) -> SimulationResult:
     """Runs ``rounds`` federated rounds.
@@ -106,6 +110,11 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
       checkpoint_dir: save after every round and resume from the latest save.
       mesh: a ``jax.sharding.Mesh`` with axis ``'clients'`` (``core.sharding.client_mesh()``):
         clients are sharded over its devices, the server state is replicated.
+      client_groups: ``[N]`` architecture group of each client (``0..algorithm.num_groups - 1``;
+        default: all in group 0). Clients of a group train vmapped together and keep their
+        persistent state (e.g. a local model of the group's architecture) in the group's arrays.
+      straggler_fraction: this fraction of clients trains ``x ~ U{1..E}`` epochs each round
+        (drawn from the round key: the same stragglers for every algorithm at a given seed).
       on_round: called with each round's record (a dict of floats).
       stop_when: called with the records so far after each round; ``True`` ends the run
         early (e.g. ``patience_reached`` for early stopping).
@@ -114,20 +123,23 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
         raise ValueError(f"rounds={rounds} must be >= 1")
     k = cohort_size(fed.num_clients, clients_per_round, participation)
     num_clients, arrays = fed.num_clients, round_arrays(fed, client_weights)
+    groups = _checked_groups(algorithm, client_groups, fed.num_clients)
     if mesh is not None:
         from bfedjax.core import sharding
         num_clients = sharding.padded_client_count(fed.num_clients, mesh)
         k = num_clients if k == fed.num_clients else k  # everyone: the mesh's empty clients ride along, masked
         arrays = sharding.shard_arrays(sharding.pad_clients(arrays, num_clients), mesh)
+        groups = None if groups is None else groups + (0,) * (num_clients - fed.num_clients)
     config = RoundConfig(num_clients=num_clients, clients_per_round=k, clients_per_chunk=clients_per_chunk,
-                         evaluate_local=evaluate_local, pad_cohort_to=mesh.devices.size if mesh is not None else 1)
+                         evaluate_local=evaluate_local, pad_cohort_to=mesh.devices.size if mesh is not None else 1,
+                         client_groups=groups, straggler_fraction=straggler_fraction)
     if init_params is None and init_server is None:
         if algorithm.init_params is None:
             raise ValueError(f"{algorithm.name} has no init_params hook; fix: pass simulate(..., init_params=...)")
         init_params = algorithm.init_params(jax.random.fold_in(key, 0), fed.input_shape)
     if init_params is None:  # the server state is given; persistent state starts from its global model
         init_params = algorithm.global_params(init_server)
-    state = init_state(algorithm, init_params, num_clients)
+    state = init_state(algorithm, init_params, config, jax.random.fold_in(key, 0))
     if init_server is not None:
         state = state._replace(server=init_server)
     if mesh is not None:
@@ -171,6 +183,22 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
         checkpointer.close()
     metrics = {k: [h[k] for h in history] for k in history[0]}
     return SimulationResult(algorithm.name, metrics, state)
+
+
+def _checked_groups(algorithm: Algorithm, client_groups, num_clients: int) -> tuple[int, ...] | None:
+    """``client_groups`` as a tuple, checked against the federation and the algorithm's groups."""
+    if client_groups is None:
+        if algorithm.num_groups > 1:
+            raise ValueError(f"{algorithm.name} has {algorithm.num_groups} architecture groups; fix: pass "
+                             "client_groups=[group of each client] (e.g. --client_architectures)")
+        return None
+    groups = tuple(int(g) for g in np.asarray(client_groups).ravel())
+    if len(groups) != num_clients:
+        raise ValueError(f"client_groups has {len(groups)} entries for {num_clients} clients; fix: one per client")
+    if min(groups) < 0 or max(groups) >= algorithm.num_groups:
+        raise ValueError(f"client_groups must be in 0..{algorithm.num_groups - 1} ({algorithm.name}'s groups), "
+                         f"got {min(groups)}..{max(groups)}")
+    return groups
 
 
 def patience_reached(history: list[dict], patience: int, metric: str = "global_accuracy") -> bool:

@@ -49,19 +49,28 @@ class Batch(NamedTuple):
     mask: jax.Array
 
 
-class ClientContext(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class ClientContext:
     """Everything a client may read during a round (read-only).
 
     server: the broadcast server state.
     persistent: this client's persistent state (``()`` when the algorithm has none).
     data: this client's ``ClientData``.
     hparams: traced per-round scalars (``round`` counts from 1, then the algorithm's own).
+    group: the client's architecture group, a static Python int (0 unless the federation
+      assigns groups; see ``RoundConfig.client_groups``): clients of one group share the
+      shapes of their persistent state, e.g. a personalised local model of one architecture.
     """
 
     server: PyTree
     persistent: PyTree
     data: ClientData
     hparams: HParams
+    group: int = 0
+
+
+jax.tree_util.register_dataclass(ClientContext, data_fields=["server", "persistent", "data", "hparams"],
+                                 meta_fields=["group"])
 
 
 # --- the functions an algorithm is made of -------------------------------------------------------
@@ -117,13 +126,28 @@ class GlobalParamsFn(Protocol):
 
 
 class PersistentInitFn(Protocol):
-    def __call__(self, params: PyTree) -> PyTree:
-        """One client's initial persistent state (the engine stacks it to ``[N, ...]``)."""
+    def __call__(self, params: PyTree, key: jax.Array, group: int) -> PyTree:
+        """One client's initial persistent state (the engine stacks a group's to ``[N_group, ...]``).
+
+        ``params``: the initial global model; ``key``: this client's own init key;
+        ``group``: its architecture group (a static int).
+        """
 
 
 class EvaluateFn(Protocol):
-    def __call__(self, params: PyTree, x: jax.Array, y: jax.Array) -> Metrics:
-        """Scalar metrics of a model on a test set ``x [T, ...]``, ``y [T, ...]`` (e.g. accuracy, loss)."""
+    def __call__(self, params: PyTree, x: jax.Array, y: jax.Array, mask: jax.Array | None = None) -> Metrics:
+        """Scalar metrics of a model on a test set ``x [T, ...]``, ``y [T, ...]`` (e.g. accuracy, loss).
+
+        ``mask [T]`` (1 real, 0 padding) is given for padded per-client test splits.
+        """
+
+
+class EvaluateClientFn(Protocol):
+    def __call__(self, message: PyTree, persistent: PyTree, x: jax.Array, y: jax.Array, mask: jax.Array,
+                 group: int) -> Metrics:
+        """Scalar metrics of a client's own models on its own test split ``x [T, ...]``, ``y [T]``,
+        ``mask [T]`` after its round (``persistent`` is its new persistent state; ``group`` static).
+        The engine reports their mean over the cohort's real clients as ``client_test_<name>``."""
 
 
 class PredictFn(Protocol):
@@ -153,15 +177,19 @@ class Algorithm:
 
     Optional hooks:
       global_params: ``server -> params`` scored by ``evaluate`` (default ``server["params"]``).
-      persistent_init: ``params -> one client's persistent state`` (default: none).
-      evaluate: ``(params, x_test, y_test) -> metrics``; the engine reports the global
+      persistent_init: ``(params, key, group) -> one client's persistent state`` (default: none).
+      evaluate: ``(params, x_test, y_test, mask=None) -> metrics``; the engine reports the global
         model's as ``global_<name>`` and the local models' (messages' ``"params"``,
         weighted) as ``local_<name>``. Default: no evaluation.
+      evaluate_client: ``(message, persistent, x, y, mask, group) -> metrics`` on a client's own
+        test split (when the federation has per-client test splits), reported as
+        ``client_test_<name>``; default: ``evaluate`` of the message's ``"params"``.
       predict: ``(server, x, key, num_samples) -> probs [M, T, K]``, the final predictive.
       init_params: ``(key, input_shape) -> params``, used when ``simulate`` gets no
         ``init_params``.
     Static fields: ``hparams`` (defaults of the traced per-round scalars; ``round`` is
-    the engine's), ``local_epochs``, ``batch_size``.
+    the engine's), ``local_epochs``, ``batch_size``, ``num_groups`` (architecture groups the
+    client functions know; the federation maps each client to one of them).
     """
 
     name: str
@@ -175,11 +203,13 @@ class Algorithm:
     global_params: GlobalParamsFn = _server_params
     persistent_init: PersistentInitFn | None = None
     evaluate: EvaluateFn | None = None
+    evaluate_client: EvaluateClientFn | None = None
     predict: PredictFn | None = None
     init_params: InitParamsFn | None = None
     hparams: dict = dataclasses.field(default_factory=dict)
     local_epochs: int = 1
     batch_size: int = 32
+    num_groups: int = 1
 
     def __post_init__(self):
         for field in ("server_init", "client_init", "client_step", "client_final"):
@@ -195,7 +225,7 @@ class Algorithm:
             object.__setattr__(self, "global_params", _server_params)
         if "round" in self.hparams:
             raise ValueError(f"Algorithm {self.name!r}: 'round' is the engine's hyper-parameter; rename yours")
-        for field in ("local_epochs", "batch_size"):
+        for field in ("local_epochs", "batch_size", "num_groups"):
             if int(getattr(self, field)) < 1:
                 raise ValueError(f"Algorithm {self.name!r}: {field}={getattr(self, field)} must be >= 1")
 
@@ -229,5 +259,5 @@ class Algorithm:
 
 
 __all__ = ["Algorithm", "Batch", "ClientContext", "ClientData", "ClientFinalFn", "ClientInitFn", "ClientStatsFn",
-           "ClientStepFn", "EvaluateFn", "GlobalParamsFn", "HParams", "InitParamsFn", "Metrics", "PersistentInitFn",
+           "ClientStepFn", "EvaluateClientFn", "EvaluateFn", "GlobalParamsFn", "HParams", "InitParamsFn", "Metrics", "PersistentInitFn",
            "PredictFn", "PyTree", "ServerFromStatsFn", "ServerInitFn", "ServerUpdateFn"]

@@ -1,21 +1,22 @@
 """Data sets and client partitioning for federated experiments."""
 
-from bfedjax.data.sources import DATASETS, PIXELS, Dataset, DataUnavailableError, available, load
+from bfedjax.data.sources import DATASETS, PIXELS, Dataset, DataUnavailableError, available, holdout, load
 from bfedjax.data.partition import (
     PARTITIONERS,
     class_groups,
     describe,
     dirichlet_per_class,
     dirichlet_per_client,
+    dirichlet_train_test,
     iid,
     partition,
     power_law,
     shards,
     single_class,
 )
-from bfedjax.data.federated import FederatedData, from_partition, stack_clients
+from bfedjax.data.federated import FederatedData, from_partition, join_tasks, stack_clients
 from bfedjax.data.augment import AUGMENTATIONS, augmented, random_shift_flip
 
-__all__ = ["DATASETS", "PIXELS", "Dataset", "DataUnavailableError", "available", "load", "PARTITIONERS", "class_groups", "describe",
-           "dirichlet_per_class", "dirichlet_per_client", "iid", "partition", "power_law", "shards", "single_class",
-           "FederatedData", "from_partition", "stack_clients", "AUGMENTATIONS", "augmented", "random_shift_flip"]
+__all__ = ["DATASETS", "PIXELS", "Dataset", "DataUnavailableError", "available", "holdout", "load", "PARTITIONERS", "class_groups", "describe",
+           "dirichlet_per_class", "dirichlet_per_client", "dirichlet_train_test", "iid", "partition", "power_law", "shards", "single_class",
+           "FederatedData", "from_partition", "join_tasks", "stack_clients", "AUGMENTATIONS", "augmented", "random_shift_flip"]

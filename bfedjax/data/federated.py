@@ -21,6 +21,8 @@ class FederatedData:
     x_test: ``[T, ...]``, y_test: ``[T]``: the global test set.
     num_classes: number of labels.
     name: data set name (for logs).
+    x_test_clients: ``[N, max_t, ...]``, y_test_clients: ``[N, max_t]``, test_counts: ``[N]``:
+      optional per-client test splits (zero padded; ``None`` when the federation has none).
     """
 
     x: np.ndarray
@@ -30,6 +32,9 @@ class FederatedData:
     y_test: np.ndarray
     num_classes: int
     name: str = ""
+    x_test_clients: np.ndarray | None = None
+    y_test_clients: np.ndarray | None = None
+    test_counts: np.ndarray | None = None
 
     @property
     def num_clients(self) -> int:
@@ -68,27 +73,81 @@ class FederatedData:
 
 def stack_clients(x: np.ndarray, y: np.ndarray, parts: Sequence[np.ndarray], *, x_test: np.ndarray,
                   y_test: np.ndarray, num_classes: int, name: str = "",
-                  pad_to_multiple: int = 1) -> FederatedData:
+                  pad_to_multiple: int = 1, test_parts: Sequence[np.ndarray] | None = None) -> FederatedData:
     """Stacks per-client index lists into padded ``[N, max_n, ...]`` arrays.
 
     Args:
       x: ``[n_train, ...]`` inputs; y: ``[n_train]`` labels.
       parts: one int index array per client (each non-empty).
       pad_to_multiple: round ``max_n`` up to a multiple of this (e.g. the batch size).
+      test_parts: optional index arrays into ``x_test`` / ``y_test``, one per client: the
+        clients' own test splits (``data.dirichlet_train_test``); the global test set stays whole.
     """
     if len(parts) == 0:
         raise ValueError("no clients: the partition is empty; fix: use num_clients >= 1")
     counts = np.array([len(p) for p in parts], np.int32)
     if counts.min() < 1:
         raise ValueError(f"client {int(np.argmin(counts))} has no samples; fix: use a partitioner with min_size >= 1")
-    max_n = int(np.ceil(counts.max() / pad_to_multiple) * pad_to_multiple)
+    xs, ys, counts = _padded(x, y, parts, pad_to_multiple)
+    own = {}
+    if test_parts is not None:
+        if len(test_parts) != len(parts):
+            raise ValueError(f"{len(test_parts)} test splits for {len(parts)} clients; fix: one per client")
+        own = dict(zip(("x_test_clients", "y_test_clients", "test_counts"),
+                       _padded(np.asarray(x_test), np.asarray(y_test), test_parts, 1)))
+    return FederatedData(xs, ys, counts, np.asarray(x_test, np.float32), np.asarray(y_test, np.int32),
+                         int(num_classes), name, **own)
+
+
+def _padded(x: np.ndarray, y: np.ndarray, parts: Sequence[np.ndarray], pad_to_multiple: int):
+    """``([N, max_n, ...] float32, [N, max_n] int32, [N] int32)`` of the index arrays ``parts``."""
+    counts = np.array([len(p) for p in parts], np.int32)
+    max_n = max(1, int(np.ceil(counts.max() / pad_to_multiple) * pad_to_multiple))
     xs = np.zeros((len(parts), max_n) + x.shape[1:], np.float32)
     ys = np.zeros((len(parts), max_n), np.int32)
     for n, idx in enumerate(parts):
         xs[n, : len(idx)] = x[idx]
         ys[n, : len(idx)] = y[idx]
-    return FederatedData(xs, ys, counts, np.asarray(x_test, np.float32), np.asarray(y_test, np.int32),
-                         int(num_classes), name)
+    return xs, ys, counts
+
+
+def join_tasks(feds: Sequence[FederatedData], name: str = "") -> tuple[FederatedData, np.ndarray]:
+    """One federation of several tasks (objective heterogeneity): each client keeps its data and labels.
+
+    Tasks may have different label spaces (a client of task t has labels ``0..num_classes_t - 1``);
+    their inputs must have one shape. A client's own test split is its per-client split when its
+    task has them, else its task's whole test set. The global test set is the tasks' test sets one
+    after the other (only meaningful to an evaluate hook that knows the tasks).
+
+    Returns:
+      ``(federation with per-client test splits, [N] int32 task of each client)``; the task index
+      is the client's architecture group when each task has its own head.
+    """
+    if not feds or len({fed.input_shape for fed in feds}) != 1:
+        raise ValueError("join_tasks needs at least one federation, all with the same input shape")
+    train, test, tasks = [], [], []
+    for t, fed in enumerate(feds):
+        for n in range(fed.num_clients):
+            train.append(fed.client(n))
+            if fed.test_counts is not None:
+                m = int(fed.test_counts[n])
+                test.append((fed.x_test_clients[n, :m], fed.y_test_clients[n, :m]))
+            else:
+                test.append((fed.x_test, fed.y_test))
+            tasks.append(t)
+    stacked = [_padded(np.concatenate([x for x, _ in part]), np.concatenate([y for _, y in part]),
+                       _consecutive([len(y) for _, y in part]), 1) for part in (train, test)]
+    (xs, ys, counts), (xt, yt, test_counts) = stacked
+    joined = FederatedData(xs, ys, counts, np.concatenate([fed.x_test for fed in feds]),
+                           np.concatenate([fed.y_test for fed in feds]), max(fed.num_classes for fed in feds),
+                           name or "+".join(fed.name for fed in feds), xt, yt, test_counts)
+    return joined, np.asarray(tasks, np.int32)
+
+
+def _consecutive(sizes: Sequence[int]) -> list[np.ndarray]:
+    """Index arrays of consecutive blocks of the given sizes."""
+    ends = np.cumsum(sizes)
+    return [np.arange(end - size, end) for size, end in zip(sizes, ends)]
 
 
 def from_partition(dataset, parts: Sequence[np.ndarray], **kwargs) -> FederatedData:

@@ -115,6 +115,25 @@ def iid(labels: np.ndarray, num_clients: int, *, seed: int) -> list[np.ndarray]:
 _EMPTY_RULES = ("fallback_sample", "resample")
 
 
+def _class_proportions(rng: np.random.Generator, num_clients: int, num_classes: int, alpha: float) -> np.ndarray:
+    """``P [N, K]``: every column ``P[:, c] ~ Dir(alpha * 1_N)`` (a NaN column from a tiny alpha goes to one client)."""
+    prop = rng.dirichlet(np.full(num_clients, alpha), size=num_classes).T
+    bad = ~np.isfinite(prop).all(axis=0)  # guard against NaN columns (old numpy, tiny alpha)
+    for c in np.flatnonzero(bad):
+        prop[:, c] = np.eye(num_clients)[rng.integers(num_clients)]
+    return prop
+
+
+def _split_pools(pools: Sequence[np.ndarray], prop: np.ndarray) -> list[np.ndarray]:
+    """Clients ``i = 0..N-1`` in order take the next ``floor(|I_c| * P[i, c])`` indices of each class pool."""
+    sizes_c = np.array([len(p) for p in pools])
+    counts = np.floor(sizes_c[None, :] * prop).astype(np.int64)  # [N, K]
+    ends = np.cumsum(counts, axis=0)
+    starts = ends - counts
+    return [np.concatenate([pools[c][starts[i, c]: ends[i, c]] for c in range(len(pools))])
+            for i in range(prop.shape[0])]
+
+
 def dirichlet_per_class(
     labels: np.ndarray,
     num_clients: int,
@@ -170,20 +189,9 @@ def dirichlet_per_class(
         raise ValueError(f"min_size={min_size} x {n} clients exceeds the {len(y)} samples; fix: lower min_size or num_clients")
     rng = np.random.default_rng(seed)
     classes, pools = _class_pools(y, rng)
-    sizes_c = np.array([len(p) for p in pools])
 
     def draw() -> list[np.ndarray]:
-        prop = rng.dirichlet(np.full(n, alpha), size=len(classes)).T  # [N, K]
-        bad = ~np.isfinite(prop).all(axis=0)  # guard against NaN columns (old numpy, tiny alpha)
-        for c in np.flatnonzero(bad):
-            prop[:, c] = np.eye(n)[rng.integers(n)]
-        counts = np.floor(sizes_c[None, :] * prop).astype(np.int64)  # [N, K]
-        ends = np.cumsum(counts, axis=0)
-        starts = ends - counts
-        return [
-            np.concatenate([pools[c][starts[i, c] : ends[i, c]] for c in range(len(classes))])
-            for i in range(n)
-        ]
+        return _split_pools(pools, _class_proportions(rng, n, len(classes), alpha))
 
     for _ in range(max_tries if empty_rule == "resample" else 1):
         parts = draw()
@@ -205,6 +213,44 @@ def dirichlet_per_class(
             p = np.concatenate([p, extra])
         out.append(p)
     return _finish(out)
+
+
+def dirichlet_train_test(
+    train_labels: np.ndarray,
+    test_labels: np.ndarray,
+    num_clients: int,
+    *,
+    alpha: float,
+    seed: int,
+    min_size: int = 1,
+    max_tries: int = 1000,
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per-class Dirichlet split of the training **and** the test set with the same proportions.
+
+    For every class ``c``, ``p_c ~ Dir(alpha * 1_N)`` over clients splits class
+    ``c``'s training images and its test images alike (``dirichlet_per_class``'s
+    rule on each set), so each client's test split has its own label mix (HBFL
+    spec Decision 10, as FML and HBFL evaluate their clients). ``P`` is redrawn
+    until every client holds ``>= min_size`` training samples; both outputs are
+    disjoint. Clients may get an empty test split at small ``alpha``.
+
+    Returns:
+      ``(train_parts, test_parts)``: ``N`` sorted index arrays into each label set.
+    """
+    y, y_test = _check_labels(train_labels), _check_labels(test_labels)
+    n = _check_clients(num_clients, len(y))
+    alpha = _check_positive("alpha", alpha)
+    min_size = _check_int("min_size", min_size, 1)
+    rng = np.random.default_rng(seed)
+    classes, pools = _class_pools(y, rng)
+    test_pools = [rng.permutation(np.flatnonzero(y_test == c)) for c in classes]
+    for _ in range(_check_int("max_tries", max_tries, 1)):
+        prop = _class_proportions(rng, n, len(classes), alpha)
+        train = _split_pools(pools, prop)
+        if min(len(p) for p in train) >= min_size:
+            return _finish(train), [np.sort(p) for p in _split_pools(test_pools, prop)]
+    raise ValueError(f"dirichlet_train_test: no draw in {max_tries} gave all {n} clients >= {min_size} training "
+                     f"samples (alpha={alpha}); fix: raise alpha or lower num_clients / min_size")
 
 
 def dirichlet_per_client(

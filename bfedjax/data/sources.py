@@ -293,6 +293,18 @@ def _stratified_split(labels: np.ndarray, test_fraction: float, seed: int = 0):
     return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
 
 
+def holdout(dataset: "Dataset", fraction: float, seed: int = 0) -> tuple["Dataset", tuple[np.ndarray, np.ndarray]]:
+    """Takes a stratified ``fraction`` of the training set away as a server-held validation split.
+
+    Returns ``(dataset without it, (x_val, y_val))`` (ABAVG's validation set: 10% of the training data).
+    """
+    if not 0 < fraction < 1:
+        raise ValueError(f"holdout fraction={fraction} must be in (0, 1), e.g. 0.1")
+    train, val = _stratified_split(dataset.y_train, fraction, seed)
+    rest = dataclasses.replace(dataset, x_train=dataset.x_train[train], y_train=dataset.y_train[train])
+    return rest, (dataset.x_train[val], dataset.y_train[val])
+
+
 def _subsample(labels: np.ndarray, max_n: int | None, rng: np.random.Generator) -> np.ndarray:
     """Sorted indices of a stratified random subset of size ``min(max_n, n)``.
 

@@ -21,9 +21,15 @@ def padded_batches(x, y, batch_size: int):
     return xp.reshape((nb, b) + x.shape[1:]), yp.reshape((nb, b) + y.shape[1:]), mask.reshape(nb, b)
 
 
-def evaluate(apply_fn, params, x, y, batch_size: int = 1000) -> dict:
-    """``{"accuracy", "loss"}``: top-1 accuracy and mean cross-entropy of ``params`` on ``x [T, ...]``, ``y [T]``."""
+def evaluate(apply_fn, params, x, y, batch_size: int = 1000, mask=None) -> dict:
+    """``{"accuracy", "loss"}``: top-1 accuracy and mean cross-entropy of ``params`` on ``x [T, ...]``, ``y [T]``.
+
+    ``mask [T]`` (optional, 1 real / 0 padding) restricts both to the real examples
+    (a padded per-client test split); with no real example both are 0.
+    """
     xb, yb, mb = padded_batches(x, y, batch_size)
+    if mask is not None:
+        mb = mb * padded_batches(jnp.zeros_like(y), jnp.asarray(mask, jnp.float32), batch_size)[1]
 
     def one(args):
         xi, yi, mi = args
@@ -33,7 +39,7 @@ def evaluate(apply_fn, params, x, y, batch_size: int = 1000) -> dict:
         return correct, loss
 
     correct, loss = jax.lax.map(one, (xb, yb, mb))
-    t = y.shape[0]
+    t = y.shape[0] if mask is None else jnp.maximum(jnp.sum(mask), 1.0)
     return {"accuracy": jnp.sum(correct) / t, "loss": jnp.sum(loss) / t}
 
 

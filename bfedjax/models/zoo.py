@@ -21,6 +21,10 @@ MLP(500, 300)   28x28x1      545,810
 MLP(200, 200)   28x28x1      199,210
 FolaCNN         32x32x3      878,538
 LeNet           28x28x1      61,706
+LeNet           32x32x3      62,006
+CNN1            28x28x1      51,902
+CNN2            28x28x1      93,322
+CNN2            32x32x3      122,570
 FedRegCNN       28x28x1      228,010
 ResNet20        32x32x3      272,474 trainable (+ BatchNorm statistics)
 ==============  ===========  =========
@@ -127,27 +131,86 @@ class FolaCNN(nn.Module):
         return _dense(self.num_classes)(x)
 
 
+def _first_padding(x: jax.Array, first_padding: str) -> str:
+    """``"auto"``: SAME (padding 2 for 5x5) on 28x28 inputs, VALID otherwise (HBFL spec Decision 11)."""
+    if first_padding == "auto":
+        return "SAME" if x.shape[1] == 28 else "VALID"
+    return first_padding
+
+
+def _lenet_features(x: jax.Array, first_padding: str) -> jax.Array:
+    """LeNet-5's convolutions inside a compact module: 5x5 convs (6, 16), ReLU and 2x2 max-pool each, flattened."""
+    x = jnp.asarray(x, jnp.float32)
+    x = _max_pool_2x2(nn.relu(_conv(6, (5, 5), _first_padding(x, first_padding))(x)))
+    return _flatten(_max_pool_2x2(nn.relu(_conv(16, (5, 5), "VALID")(x))))
+
+
+def _cnn2_features(x: jax.Array) -> jax.Array:
+    """CNN2's convolutions inside a compact module: 3x3 convs 32 (+pool), 64 (+pool), 64, ReLU, flattened."""
+    x = jnp.asarray(x, jnp.float32)
+    x = _max_pool_2x2(nn.relu(_conv(32, (3, 3), "VALID")(x)))
+    x = _max_pool_2x2(nn.relu(_conv(64, (3, 3), "VALID")(x)))
+    return _flatten(nn.relu(_conv(64, (3, 3), "VALID")(x)))
+
+
 class LeNet(nn.Module):
-    """LeNet-5 style CNN for 28x28 inputs.
+    """LeNet-5: two 5x5 convs (6, 16) each with ReLU and 2x2 max-pool, then Dense 120 -> 84 -> K.
 
-    Conv(6, 5x5, SAME) -> ReLU -> MaxPool 2 -> Conv(16, 5x5, VALID) -> ReLU ->
-    MaxPool 2 -> Flatten -> Dense(120) -> ReLU -> Dense(84) -> ReLU ->
-    Dense(num_classes).
+    ``first_padding="auto"`` pads the first conv on 28x28 inputs (SAME) and not on
+    32x32 ones (VALID), so both flatten to 400 as in the HBFL/FML models.
+    Input ``[B, 28, 28, C]`` or ``[B, 32, 32, C]``; output ``[B, num_classes]``.
+    Shapes: 28x28xC -> 28x28x6 -> 14x14x6 -> 10x10x16 -> 5x5x16 -> 400 -> 120 -> 84 -> K
+    (32x32xC -> 28x28x6 -> ... the same from there).
+    """
 
-    Input ``[B, 28, 28, C]``; output ``[B, num_classes]``.
-    Shapes: 28x28xC -> 28x28x6 -> 14x14x6 -> 10x10x16 -> 5x5x16 -> 400 -> 120 -> 84 -> K.
+    num_classes: int = 10
+    first_padding: str = "auto"
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = nn.relu(_dense(120)(_lenet_features(x, self.first_padding)))
+        x = nn.relu(_dense(84)(x))
+        return _dense(self.num_classes)(x)
+
+
+class CNN1(nn.Module):
+    """HBFL's CNN1: LeNet-5's two conv layers, then two dense layers (400 -> ``hidden`` -> K).
+
+    Input ``[B, 28, 28, C]`` or ``[B, 32, 32, C]`` (first conv padded on 28x28 as ``LeNet``);
+    output ``[B, num_classes]``. ``hidden`` is unstated in the paper (spec default 120).
+    """
+
+    num_classes: int = 10
+    hidden: int = 120
+    first_padding: str = "auto"
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = nn.relu(_dense(self.hidden)(_lenet_features(x, self.first_padding)))
+        return _dense(self.num_classes)(x)
+
+
+class CNN2Trunk(nn.Module):
+    """CNN2's convolutional trunk (HBFL's objective heterogeneity, spec Decision 13): the three 3x3 convs,
+    flattened; ``[B, 28, 28, C] -> [B, 576]`` (``[B, 1024]`` on 32x32). Clients put their own head on it."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return _cnn2_features(x)
+
+
+class CNN2(nn.Module):
+    """HBFL/FML's CNN2: 3x3 convs 32 (+pool) -> 64 (+pool) -> 64, ReLU, no padding; Dense 64 -> K.
+
+    Input ``[B, 28, 28, C]`` (flatten 3x3x64 = 576) or ``[B, 32, 32, C]`` (4x4x64 = 1024);
+    output ``[B, num_classes]``.
     """
 
     num_classes: int = 10
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = jnp.asarray(x, jnp.float32)
-        x = _max_pool_2x2(nn.relu(_conv(6, (5, 5), "SAME")(x)))
-        x = _max_pool_2x2(nn.relu(_conv(16, (5, 5), "VALID")(x)))
-        x = _flatten(x)
-        x = nn.relu(_dense(120)(x))
-        x = nn.relu(_dense(84)(x))
+        x = nn.relu(_dense(64)(_cnn2_features(x)))
         return _dense(self.num_classes)(x)
 
 
@@ -208,6 +271,8 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "mlp_200_200": lambda num_classes, hidden=None, dropout_rate=0.0: _make_mlp(num_classes, (200, 200), dropout_rate),
     "fola_cnn": lambda num_classes, hidden=None: FolaCNN(num_classes=num_classes),
     "lenet": lambda num_classes, hidden=None: LeNet(num_classes=num_classes),
+    "cnn1": lambda num_classes, hidden=None: CNN1(num_classes=num_classes),
+    "cnn2": lambda num_classes, hidden=None: CNN2(num_classes=num_classes),
     "fedreg_cnn": lambda num_classes, hidden=None: FedRegCNN(num_classes=num_classes),
     "resnet20": lambda num_classes, hidden=None, dropout_rate=0.0: ResNet20(num_classes=num_classes,
                                                                              dropout_rate=dropout_rate),

@@ -73,6 +73,23 @@ def gaussian_product(stacked: DiagGaussian, weights: jax.Array, eps: float = 0.0
     return gaussian_product_from_stats(weighted_sum(stats, weights), eps)
 
 
+def gaussian_product_full(means: jax.Array, precisions: jax.Array, weights: jax.Array):
+    """The product of full-covariance Gaussians raised to powers ``w_k`` (HBFL Eqs. 3.11-3.12).
+
+    ``Lambda_g = sum_k w_k Lambda_k``, ``mu_g = Lambda_g^{-1} sum_k w_k Lambda_k mu_k``: with the
+    local least-squares solutions and ``Lambda_k = X_k^T X_k / sigma^2`` (Appendix A) and
+    ``w_k = 1`` it is the global least-squares solution. Small ``d`` only (a ``d x d`` solve).
+
+    Args:
+      means: ``[K, d]``; precisions: ``[K, d, d]`` symmetric positive definite; weights: ``[K]``.
+    Returns:
+      ``(mean [d], precision [d, d])``.
+    """
+    precision = jnp.einsum("k,kij->ij", weights, precisions)
+    eta = jnp.einsum("k,kij,kj->i", weights, precisions, means)
+    return jnp.linalg.solve(precision, eta), precision
+
+
 def moment_matched_mixture(stacked: DiagGaussian, weights: jax.Array) -> DiagGaussian:
     """Moment-matched collapse of the mixture ``sum_c w_c N(mean_c, 1/precision_c)`` (FOLA Eqs. 5-7, diagonal).
 
