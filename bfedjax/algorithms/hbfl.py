@@ -132,8 +132,7 @@ def hbfl(model, *, input_shape: Sequence[int], local_models: Sequence | None = N
     if head_models is not None:
         example = jnp.zeros((1,) + tuple(input_shape), jnp.float32)
         features = jax.eval_shape(lambda: apply_fn(meme_task.init_params(jax.random.PRNGKey(0), input_shape), example))
-        heads = PrivateModels(head_models, features.shape[1:], alpha=1.0, weight_decay=weight_decay,
-                              momentum=momentum)
+        heads = PrivateModels(head_models, features.shape[1:], weight_decay=weight_decay, momentum=momentum)
         if local_models is None:
             raise ValueError("hbfl: with head_models give local_models too (one per group, with the group's "
                              "labels), or () for none")
@@ -224,8 +223,7 @@ def hbfl(model, *, input_shape: Sequence[int], local_models: Sequence | None = N
         new = {"meme": meme, "meme_opt": meme_opt}
         if heads is not None:  # the head: plain CE on the features of the updated meme's mean
             features = jax.lax.stop_gradient(apply_fn(meme["mu"], batch.x))
-            zeros = jnp.zeros(features.shape[:1] + heads.logits(head, features, ctx.group).shape[1:])
-            new["head"] = head = heads.step(head, batch._replace(x=features), zeros, ctx.hparams["lr"], ctx.group)
+            new["head"] = head = heads.step(head, batch._replace(x=features), None, ctx.hparams["lr"], ctx.group)
         if private is not None:  # after the meme's step, on the same mini-batch (Algorithm 1)
             new["local"] = private.step(state["local"], batch, teacher_logits(meme, batch.x, k_teacher, head,
                                                                               ctx.group),

@@ -15,7 +15,7 @@ import jax
 import optax
 
 from bfedjax.core.types import Batch
-from bfedjax.losses import distillation
+from bfedjax.losses import cross_entropy, distillation, masked_mean
 from bfedjax.tasks import classification
 
 
@@ -60,13 +60,16 @@ class PrivateModels:
         """``[B, K]`` logits of the local model on ``x [B, ...]``."""
         return self.tasks[group].apply_fn(state["params"], x)
 
-    def step(self, state: dict, batch: Batch, teacher_logits: jax.Array, lr, group: int) -> dict:
-        """One SGD step on ``alpha CE + (1 - alpha) KL(softmax(teacher) || softmax(local))``."""
+    def step(self, state: dict, batch: Batch, teacher_logits: jax.Array | None, lr, group: int) -> dict:
+        """One SGD step on ``alpha CE + (1 - alpha) KL(softmax(teacher) || softmax(local))``
+        (plain CE when ``teacher_logits`` is None)."""
         apply_fn = self.tasks[group].apply_fn
 
         def loss(params):
-            return distillation(apply_fn(params, batch.x), teacher_logits, batch.y, batch.mask, self.alpha,
-                                self.temperature)
+            logits = apply_fn(params, batch.x)
+            if teacher_logits is None:
+                return masked_mean(cross_entropy(logits, batch.y), batch.mask)
+            return distillation(logits, teacher_logits, batch.y, batch.mask, self.alpha, self.temperature)
 
         grad = jax.grad(loss)(state["params"])
         direction, opt = self.tx.update(grad, state["opt"], state["params"])
