@@ -1,6 +1,6 @@
 r"""HBFL against FML and FedAvg on Fashion-MNIST (HBFL spec section 7b), heterogeneous and common models.
 
-    python -m experiments.hbfl_table            # the full grid (hours on 2 CPU cores), results/hbfl_fmnist.md
+    python -m experiments.hbfl_table            # the full grid (hours on 2 CPU cores), results/hbfl_fashion_mnist.md
     python -m experiments.hbfl_table --quick    # 1 seed, alpha 0.1, 2,000 images, 5 rounds (< 10 minutes),
                                                 # results/hbfl_fashion_mnist_quick.md
 
@@ -180,8 +180,8 @@ def main(argv):
     except bf.data.DataUnavailableError as err:
         sys.exit(f"{FLAGS.dataset} is not available: {str(err).splitlines()[0]}")
     records = []
-    for alpha in alphas:
-        for seed in seeds:
+    for seed in seeds:  # seed-major, so an interrupted grid already covers every alpha
+        for alpha in alphas:
             for setting, method in RUNS:
                 if setting == "stragglers" and alpha != STRAGGLER_ALPHA:
                     continue
