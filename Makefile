@@ -3,7 +3,7 @@ PYTHON ?= python3
 OUT ?= out
 
 .PHONY: install install-dev demo test iv-e bfl-rules bfl-rules-fmnist fedreg-one-class fedreg-privacy hbfl-table \
-	hbfl-table-quick hbfl-objective data
+	hbfl-table-quick hbfl-objective fedref-table fedref-table-quick data
 
 install:
 	$(PYTHON) -m pip install -q -e '.[experiments]'
@@ -23,7 +23,7 @@ demo: install data
 	  --results_file=$(OUT)/demo/comparison.md --title="FOLA vs FedAvg, Dirichlet alpha=0.01, 20 clients"
 
 test: install-dev data
-	$(PYTHON) -m pytest -q -n 2 --durations=10 tests
+	$(PYTHON) -m pytest -q -n 2 --durations=30 tests
 
 # FOLA Sec. IV-E two-client experiment -> results/fola_iv_e_two_clients.md
 iv-e: install data
@@ -59,6 +59,13 @@ hbfl-table: install data
 # trunk, each with its own head -> results/hbfl_objective.md
 hbfl-objective: install data
 	$(PYTHON) -m experiments.hbfl_objective
+
+# FedRef vs FedAvg, FedProx, FedAdam: MNIST-5k and procedural-vessels segmentation -> results/fedref.md
+fedref-table: install data
+	$(PYTHON) -m experiments.fedref_table
+
+fedref-table-quick: install data
+	$(PYTHON) -m experiments.fedref_table --quick
 
 hbfl-table-quick: install data
 	$(PYTHON) -m experiments.hbfl_table --quick

@@ -51,10 +51,11 @@ class Task(NamedTuple):
 
 
 def in_batches(fn: Callable, x: jax.Array, batch_size: int) -> jax.Array:
-    """``fn(x_batch) -> [M, b, K]`` applied to ``x [T, ...]`` in batches of ``batch_size``; returns ``[M, T, K]``."""
+    """``fn(x_batch) -> [M, b, ...]`` applied to ``x [T, ...]`` in batches of ``batch_size``; returns ``[M, T, ...]``
+    (``...`` is ``K`` class probabilities, or ``H, W`` pixel probabilities)."""
     xb, _, _ = padded_batches(x, jnp.zeros(x.shape[0], jnp.int32), batch_size)
-    out = jnp.moveaxis(jax.lax.map(fn, xb), 0, 1)  # [M, nb, b, K]
-    return out.reshape(out.shape[0], -1, out.shape[-1])[:, : x.shape[0]]
+    out = jnp.moveaxis(jax.lax.map(fn, xb), 0, 1)  # [M, nb, b, ...]
+    return out.reshape((out.shape[0], -1) + out.shape[3:])[:, : x.shape[0]]
 
 
 EVAL_BATCH_SIZE = 1000  # test examples per evaluation batch
@@ -90,4 +91,46 @@ def classification(model, *, eval_batch_size: int = EVAL_BATCH_SIZE, predict_bat
     return Task(model, apply_fn, loss, evaluate, predict, init_params)
 
 
-__all__ = ["EVAL_BATCH_SIZE", "PREDICT_BATCH_SIZE", "Task", "classification", "in_batches"]
+SEGMENTATION_EVAL_BATCH_SIZE = 50  # test images per evaluation batch (HD95's distance transforms are per image)
+
+
+def segmentation(model, *, dice_weight: float = 1.0, eval_batch_size: int = SEGMENTATION_EVAL_BATCH_SIZE) -> Task:
+    """Binary segmentation: a model producing one logit per pixel ``[B, H, W]`` from masks ``y [B, H, W]`` in {0, 1}.
+
+    loss: pixel-wise binary cross-entropy plus ``dice_weight`` times the soft Dice loss,
+      each the mean over the batch's real images (``metrics.segmentation.bce_dice_loss``).
+    evaluate: over the test set, the mean per-image ``dice``, ``iou``, ``hd95`` (95th-percentile
+      symmetric Hausdorff distance in pixels), ``pixel_accuracy`` and ``loss`` of the hard mask
+      ``logit > 0``, plus the FedRef authors' ``authors_dice``, ``authors_iou`` (soft, batch-pooled,
+      after a sigmoid and a softmax) and ``authors_hd95`` (their row-wise distance, not a
+      Hausdorff distance), computed the way their code does (``metrics.segmentation``).
+    predict: the foreground probability ``sigmoid(logit)``, ``[1, T, H, W]``.
+    """
+    from bfedjax.metrics import segmentation as seg
+    apply_fn = apply_fn_of(model)
+
+    def loss(params, batch):
+        return seg.bce_dice_loss(apply_fn(params, batch.x), batch.y, batch.mask, dice_weight)
+
+    def evaluate(params, x, y, mask=None):
+        xb, yb, mb = padded_batches(x, y, eval_batch_size)
+        if mask is not None:
+            mb = mb * padded_batches(jnp.zeros(y.shape[:1]), jnp.asarray(mask, jnp.float32), eval_batch_size)[1]
+        sums = jax.lax.map(lambda b: seg.evaluate_batch(apply_fn(params, b[0]), b[1], b[2]), (xb, yb, mb))
+        scores = seg.summarize(jax.tree.map(lambda v: jnp.sum(v, axis=0), sums))
+        return {name: value for name, value in scores.items() if name != "count"}
+
+    def predict(params, x, key, num_samples: int):
+        del key, num_samples
+        return in_batches(lambda xb: jax.nn.sigmoid(apply_fn(params, xb))[None], x, eval_batch_size)
+
+    def init_params(key, input_shape):
+        from bfedjax.models.zoo import init_params as zoo_init
+        return zoo_init(model, tuple(input_shape), key)
+
+    return Task(model, apply_fn, loss, evaluate, predict, init_params)
+
+
+TASKS = {"classification": classification, "segmentation": segmentation}
+
+__all__ = ["EVAL_BATCH_SIZE", "PREDICT_BATCH_SIZE", "TASKS", "Task", "classification", "in_batches", "segmentation"]

@@ -20,6 +20,8 @@ from absl import app, flags
 
 from bfedjax.algorithms.bfl import RULES
 from bfedjax.algorithms.fedcurv import VARIANTS as FEDCURV_VARIANTS
+from bfedjax.algorithms.fedref import LOSS_REPORTS, LOSS_TERMS, REFERENCES
+from bfedjax.algorithms.fedref import VARIANTS as FEDREF_VARIANTS
 from bfedjax.algorithms.fedprox import SCALINGS
 from bfedjax.algorithms.fedreg import CLAMPS, GRANULARITIES
 from bfedjax.algorithms.abavg import WEIGHTINGS as ABAVG_WEIGHTINGS
@@ -30,6 +32,7 @@ from bfedjax.algorithms.fola import FISHER_MODES, NORMALISATIONS, PRECISION_MODE
 from bfedjax.algorithms.local_sgd import OPTIMIZERS
 from bfedjax.algorithms.registry import ALGORITHMS
 from bfedjax.algorithms.scaffold import OPTIONS as SCAFFOLD_OPTIONS
+from bfedjax.algorithms.server_opt import SERVER_OPTIMIZERS
 from bfedjax.posteriors import DWC_GUARDS
 from bfedjax.posteriors.weighting import WEIGHTINGS
 from bfedjax.vi import GRADIENT_ESTIMATORS
@@ -41,8 +44,8 @@ COMMON = {"lr": "lr", "local_epochs": "local_epochs", "batch_size": "batch_size"
 OPTION_FLAGS = {
     "lam": ("lam", ("fola", "fedcurv")),
     "mu": ("mu", ("fedprox",)),
-    "clip_norm": ("clip_norm", ("fedavg", "fedprox", "fedcurv", "fola", "scaffold", "fednova")),
-    "momentum": ("momentum", ("fedavg", "fedprox", "fedcurv", "fola", "fednova", "hbfl", "fml", "abavg")),
+    "clip_norm": ("clip_norm", ("fedavg", "fedprox", "fedcurv", "fola", "scaffold", "fednova", "fedref")),
+    "momentum": ("momentum", ("fedavg", "fedprox", "fedcurv", "fola", "fednova", "hbfl", "fml", "abavg", "fedref")),
     "optimizer": ("optimizer", ("fedavg",)),
     "weight_decay": ("weight_decay", ("fedavg", "hbfl", "fml", "abavg")),
     "dp_clip": ("dp_clip", ("fedavg", "fedsgd", "fedprox", "fedcurv")),
@@ -66,6 +69,17 @@ OPTION_FLAGS = {
     "gradient_estimator": ("gradient_estimator", ("bfl",)),
     "fedcurv_variant": ("variant", ("fedcurv",)),
     "fedprox_scaling": ("scaling", ("fedprox",)),
+    "fedprox_detached": ("detached", ("fedprox",)),
+    "fedref_variant": ("variant", ("fedref",)),
+    "fedref_lambda": ("lam", ("fedref",)),
+    "fedref_p": ("p", ("fedref",)),
+    "fedref_server_lr": ("server_lr", ("fedref",)),
+    "fedref_fix_ref_delta": ("fix_ref_delta", ("fedref",)),
+    "fedref_ref_through_a": ("ref_through_A", ("fedref",)),
+    "fedref_reference": ("reference", ("fedref",)),
+    "fedref_warmup": ("warmup", ("fedref",)),
+    "fedref_loss_report": ("loss_report", ("fedref",)),
+    "fedref_loss_term": ("loss_term", ("fedref",)),
     "fedreg_gamma": ("gamma", ("fedreg",)),
     "eta_s": ("eta_s", ("fedreg",)),
     "eta_p": ("eta_p", ("fedreg",)),
@@ -165,6 +179,32 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     enum("fedreg_granularity", GRANULARITIES, "fedreg: pseudo-data unit.")
     enum("fedreg_clamp", CLAMPS, "fedreg: generation clamp.")
     enum("scaffold_option", SCAFFOLD_OPTIONS, "scaffold: control-variate update (default II).")
+    boolean("fedprox_detached", "fedprox as the FedRef authors ran it: the proximal term has no gradient, so the "
+            "clients train like FedAvg's.")
+    # FedRef (FedRef spec section 2.4) and the server optimisers (FedOpt), which wrap any algorithm.
+    enum("fedref_variant", FEDREF_VARIANTS, "fedref: server step (default code: the authors' per-tensor shift; l2: "
+         "the literal gradient of Eq. 12; map_step / map_prox: the MAP pull toward the reference).")
+    number(flags.DEFINE_float, "fedref_lambda", "fedref: lambda of Eq. 12 (default 0.01).")
+    number(flags.DEFINE_integer, "fedref_p", "fedref: reference window p, the last p aggregates (default 5).")
+    number(flags.DEFINE_float, "fedref_server_lr", "fedref: server step eta (default: --lr, as the authors' code).")
+    boolean("fedref_fix_ref_delta", "fedref --fedref_variant=code: False keeps the authors' Delta-R bug "
+            "(default True: fixed).")
+    boolean("fedref_ref_through_a", "fedref --fedref_variant=l2: differentiate the reference through A_r too.")
+    enum("fedref_reference", REFERENCES, "fedref: reference model (default mean of the last p aggregates, Eq. 14; "
+         "p_plus_one: Eq. 13; broadcast: of the corrected models).")
+    number(flags.DEFINE_integer, "fedref_warmup", "fedref: rounds that broadcast the plain aggregate (default p+1, "
+           "as the authors' code; 0 corrects from round 1).")
+    enum("fedref_loss_report", LOSS_REPORTS, "fedref: the loss clients report (code: a pass over their data after "
+         "training, default; last_batch: the paper's last training batch).")
+    enum("fedref_loss_term", LOSS_TERMS, "fedref --fedref_variant=code: the loss term s (code, default) or only "
+         "log the weighted loss sum (weighted_sum).")
+    flags.DEFINE_enum("server_optimizer", "none", ("none",) + SERVER_OPTIMIZERS, "Server optimiser on the "
+                      "pseudo-gradient theta - aggregate, for any algorithm with server params (FedOpt: adam = "
+                      "FedAdam, yogi = FedYogi, adagrad = FedAdagrad).", flag_values=flag_values)
+    flags.DEFINE_float("server_lr", 0.01, "--server_optimizer: step size eta.", flag_values=flag_values)
+    flags.DEFINE_float("server_b1", 0.9, "--server_optimizer adam/yogi: beta1.", flag_values=flag_values)
+    flags.DEFINE_float("server_b2", 0.99, "--server_optimizer adam/yogi: beta2.", flag_values=flag_values)
+    flags.DEFINE_float("server_tau", 1e-3, "--server_optimizer: adaptivity tau.", flag_values=flag_values)
     # HBFL, FML, ABAVG (HBFL spec section 3; the local models come from --client_architectures).
     number(flags.DEFINE_float, "likelihood_temperature", "hbfl: likelihood temperature T of the meme loss "
            "(default 1e-4).")
@@ -205,6 +245,12 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         "distill_alpha": (lambda v: v is None or 0 <= v <= 1, "--distill_alpha must be in [0, 1], e.g. 0.5"),
         "distill_beta": (lambda v: v is None or 0 <= v <= 1, "--distill_beta must be in [0, 1], e.g. 0.5"),
         "distill_temperature": (lambda v: v is None or v > 0, "--distill_temperature must be > 0, e.g. 1"),
+        "fedref_lambda": (lambda v: v is None or v >= 0, "--fedref_lambda must be >= 0, e.g. 0.01"),
+        "fedref_p": (lambda v: v is None or v >= 1, "--fedref_p must be >= 1, e.g. 5"),
+        "fedref_server_lr": (lambda v: v is None or v >= 0, "--fedref_server_lr must be >= 0, e.g. 0.01"),
+        "fedref_warmup": (lambda v: v is None or v >= 0, "--fedref_warmup must be >= 0"),
+        "server_lr": (lambda v: v > 0, "--server_lr must be > 0, e.g. 0.01"),
+        "server_tau": (lambda v: v >= 0, "--server_tau must be >= 0, e.g. 1e-3"),
     }
     for name, (check, message) in checks.items():
         flags.register_validator(name, check, message=message, flag_values=flag_values)
@@ -253,7 +299,14 @@ def build(flag_values: flags.FlagValues, model, fed, setting: dict | None = None
         print(f"note: {', '.join(ignored)} do{'es' if len(ignored) == 1 else ''} not apply to "
               f"--algorithm={flag_values.algorithm} (ignored)", file=sys.stderr, flush=True)
     try:
-        return bf.algorithms.build(flag_values.algorithm, model, fed, **opts)
+        algorithm = bf.algorithms.build(flag_values.algorithm, model, fed, **opts)
+        if flag_values.server_optimizer != "none":
+            tx = bf.algorithms.server_optimizer(flag_values.server_optimizer, flag_values.server_lr,
+                                                b1=flag_values.server_b1, b2=flag_values.server_b2,
+                                                tau=flag_values.server_tau)
+            algorithm = bf.algorithms.with_server_optimizer(algorithm, tx,
+                                                            f"{algorithm.name}+{flag_values.server_optimizer}")
+        return algorithm
     except ValueError as err:
         raise app.UsageError(str(err)) from None
 

@@ -5,7 +5,10 @@ r"""Runs one federated experiment from absl flags.
 
     python -m experiments.run --flagfile=experiments/configs/fola_fmnist_demo.flags
 
-Prints one progress line per round (round, GA, LA, seconds), writes
+    python -m experiments.run --flagfile=experiments/configs/fedref/vessels_unet.flags   # segmentation
+
+Prints one progress line per round (round, GA, LA, seconds; with
+``--task=segmentation`` the global model's Dice, IoU and HD95), writes
 ``metrics.jsonl`` (one JSON record per round) and ``summary.json`` into
 ``--output_dir``, and checkpoints every round there so a crashed run resumes
 where it stopped (``--noresume`` starts over).
@@ -27,6 +30,9 @@ from experiments import algorithm_flags
 FLAGS = flags.FLAGS
 # What to run: --algorithm, --lr, --local_epochs, --batch_size and the algorithms' options.
 algorithm_flags.define(FLAGS)
+flags.DEFINE_enum("task", "classification", list(bf.tasks.TASKS), "What the model learns: classification, or "
+                  "binary segmentation (--model=unet on --dataset=vessels, drive or oxford_iiit_pet; BCE + soft-Dice "
+                  "loss; Dice, IoU and HD95 reported; fedavg, fedprox and fedref).")
 flags.DEFINE_enum("model", "mlp", list(bf.models.MODELS), "Model architecture.")
 flags.DEFINE_list("hidden", ["200", "200"], "Hidden widths of --model=mlp.")
 flags.DEFINE_float("dropout_rate", 0.0, "MC dropout (MLPs, resnet20): dropout layers of this rate, on at test time "
@@ -41,6 +47,8 @@ flags.DEFINE_bool("fallback_to_digits", False, "If the data set cannot be had, p
 flags.DEFINE_enum("partition", "dirichlet_per_class", list(bf.data.PARTITIONERS),
                   "How the training set is split over clients.")
 flags.DEFINE_float("alpha", 0.5, "Dirichlet concentration.")
+flags.DEFINE_list("round_fractions", None, "Each round every client trains on the first f * n_k of its samples, f "
+                  "drawn from these (default with --partition=nested: 0.5,0.6,0.7,0.8,0.9, FedRef's protocol).")
 flags.DEFINE_integer("classes_per_client", 2, "Classes per client for shards / power_law.")
 flags.DEFINE_integer("samples_per_client", 24, "Images per client for --partition=single_class (FedReg EMNIST: 24).")
 flags.DEFINE_enum("pixels", "standardised", list(bf.data.PIXELS),
@@ -110,6 +118,8 @@ flags.register_validator("validation_fraction", lambda v: 0 < v < 1,
 flags.register_validator("dropout_rate", lambda v: 0 <= v < 1, message="--dropout_rate must be in [0, 1), e.g. 0.2")
 flags.register_validator("lr_decay_rate", lambda v: 0 < v < 1, message="--lr_decay_rate must be in (0, 1), e.g. 0.04")
 flags.register_validator("test_samples", lambda v: v >= 1, message="--test_samples must be >= 1")
+flags.register_validator("round_fractions", lambda v: v is None or all(_is_fraction(f) for f in v),
+                         message="--round_fractions must be numbers in (0, 1], e.g. 0.5,0.7,0.9")
 flags.register_multi_flags_validator(
     ["clients_per_round", "num_clients"],
     lambda f: f["clients_per_round"] is None or f["clients_per_round"] <= f["num_clients"],
@@ -123,6 +133,42 @@ flags.register_multi_flags_validator(
     lambda f: f["client_weights"] is None or f["client_weights"] == ["uniform"]
     or len(f["client_weights"]) == f["num_clients"],
     message="--client_weights needs exactly --num_clients comma-separated numbers, or 'uniform'")
+
+
+def _is_fraction(text: str) -> bool:
+    try:
+        return 0 < float(text) <= 1
+    except ValueError:
+        return False
+
+
+NESTED_FRACTIONS = (0.5, 0.6, 0.7, 0.8, 0.9)  # the FedRef authors' randint(5, 9) / 10
+
+
+def round_fractions():
+    """The per-round subset fractions: --round_fractions, FedRef's 0.5..0.9 with --partition=nested, else None."""
+    if FLAGS.round_fractions:
+        return tuple(float(f) for f in FLAGS.round_fractions)
+    return NESTED_FRACTIONS if FLAGS.partition == "nested" else None
+
+
+def make_task(dataset, model):
+    """The task of --task, checked against the data, the model and the algorithm; None for classification."""
+    is_masks = dataset.y_train.ndim == 3
+    if FLAGS.task == "classification":
+        if is_masks:
+            raise app.UsageError(f"{dataset.name} holds segmentation masks; fix: --task=segmentation --model=unet")
+        return None
+    if not is_masks:
+        raise app.UsageError(f"--task=segmentation needs masks; {dataset.name} has class labels; fix: "
+                             "--dataset=vessels (offline), drive --data_dir=DIR or oxford_iiit_pet --tfds_data_dir=DIR")
+    if FLAGS.model != "unet":
+        raise app.UsageError(f"--task=segmentation needs a per-pixel model; fix: --model=unet (not {FLAGS.model})")
+    if "task" not in bf.algorithms.options_of(FLAGS.algorithm):
+        takes = [name for name in bf.algorithms.ALGORITHMS if "task" in bf.algorithms.options_of(name)]
+        raise app.UsageError(f"--algorithm={FLAGS.algorithm} trains classifiers only; fix: --algorithm="
+                             f"{' or '.join(takes)} for --task=segmentation")
+    return bf.tasks.segmentation(model)
 
 
 def parse_class_groups(text: str) -> list[list[int]]:
@@ -197,6 +243,9 @@ def architecture_setting(dataset, model):
 
 def make_partition(labels):
     scheme = FLAGS.partition
+    if labels.ndim > 1 and scheme not in ("iid", "nested"):
+        raise app.UsageError(f"--partition={scheme} splits by class label; segmentation masks have none; fix: "
+                             "--partition=nested (FedRef's) or iid")
     kwargs = {}
     if scheme.startswith("dirichlet"):
         kwargs["alpha"] = FLAGS.alpha
@@ -226,6 +275,17 @@ def learning_rate_fn():
         return None
     schedule = bf.core.lr_schedule(FLAGS.lr_schedule, FLAGS.lr, start=FLAGS.lr_decay_start, rate=FLAGS.lr_decay_rate)
     return lambda r: {"lr": schedule(r)}
+
+
+def round_line(record) -> str:
+    """One progress line: the global model's scores (GA, LA, CA; segmentation: Dice, IoU, HD95)."""
+    end = f"loss {record['global_loss']:.4f}  {record['seconds']:.2f}s"
+    if "global_dice" in record:
+        return (f"round {record['round']:4d}  Dice {record['global_dice']:.4f}  IoU {record['global_iou']:.4f}  "
+                f"HD95 {record['global_hd95']:.2f}  {end}")
+    la = record.get("local_accuracy", float("nan"))
+    ca = f"  CA {record['client_test_accuracy']:.4f}" if "client_test_accuracy" in record else ""
+    return f"round {record['round']:4d}  GA {record['global_accuracy']:.4f}  LA {la:.4f}{ca}  {end}"
 
 
 def final_uncertainty(algorithm, server, fed) -> dict:
@@ -259,8 +319,11 @@ def main(argv):
     setting = {}
     if FLAGS.algorithm == "abavg":
         dataset, setting["validation"] = bf.data.holdout(dataset, FLAGS.validation_fraction, FLAGS.seed)
-    fed = make_federation(dataset)
     model = make_model(dataset.num_classes)
+    task = make_task(dataset, model)
+    if task is not None:
+        setting["task"] = task
+    fed = make_federation(dataset)
     architectures, client_groups = architecture_setting(dataset, model)
     algorithm = algorithm_flags.build(FLAGS, model, fed, {**setting, **architectures})
     if FLAGS.augment != "none":
@@ -296,10 +359,7 @@ def main(argv):
 
     with open(metrics_path, "w") as sink:
         def on_round(record):
-            la = record.get("local_accuracy", float("nan"))
-            ca = f"  CA {record['client_test_accuracy']:.4f}" if "client_test_accuracy" in record else ""
-            print(f"round {record['round']:4d}  GA {record['global_accuracy']:.4f}  LA {la:.4f}{ca}  "
-                  f"loss {record['global_loss']:.4f}  {record['seconds']:.2f}s", flush=True)
+            print(round_line(record), flush=True)
             sink.write(json.dumps(record) + "\n")
             sink.flush()
 
@@ -309,19 +369,29 @@ def main(argv):
             clients_per_chunk=FLAGS.clients_per_chunk,
             backend=FLAGS.backend, client_weights=weights, evaluate_local=FLAGS.evaluate_local,
             checkpoint_dir=checkpoints, on_round=on_round, init_server=init_server,
-            hparams_fn=learning_rate_fn(), client_groups=client_groups, straggler_fraction=FLAGS.straggler_fraction)
+            hparams_fn=learning_rate_fn(), client_groups=client_groups, straggler_fraction=FLAGS.straggler_fraction,
+            round_fractions=round_fractions())
     with open(metrics_path, "w") as sink:  # complete history, restored rounds included
         for r in range(len(result.metrics["round"])):
             sink.write(json.dumps({k: v[r] for k, v in result.metrics.items()}) + "\n")
 
-    ga = result.metrics["global_accuracy"]
+    headline = "dice" if task is not None else "accuracy"
+    ga = result.metrics[f"global_{headline}"]
     summary = {
         "algorithm": algorithm.name, "dataset": dataset.name, "source": dataset.source,
         "flags": {f.name: f.value for module in (__name__, algorithm_flags.__name__)
                   for f in FLAGS.get_key_flags_for_module(sys.modules[module])},
-        "round1_global_accuracy": ga[0], "final_global_accuracy": ga[-1], "best_global_accuracy": max(ga),
+        f"round1_global_{headline}": ga[0], f"final_global_{headline}": ga[-1], f"best_global_{headline}": max(ga),
         "rounds_to_target": {t: bf.metrics.rounds_to_target(ga, float(t)) for t in FLAGS.targets},
     }
+    if task is not None:  # segmentation: the last round's scores, ours and the FedRef authors'
+        summary["final"] = {name[len("global_"):]: values[-1] for name, values in result.metrics.items()
+                            if name.startswith("global_")}
+        with open(os.path.join(FLAGS.output_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+        print(f"done: best Dice {max(ga):.4f}, final Dice {ga[-1]:.4f}, IoU {summary['final']['iou']:.4f}, "
+              f"HD95 {summary['final']['hd95']:.2f} -> {FLAGS.output_dir}")
+        return
     if "local_accuracy" in result.metrics:
         summary["best_local_accuracy"] = max(result.metrics["local_accuracy"])
     if "client_test_accuracy" in result.metrics:  # mean over clients of each client's accuracy on its own split

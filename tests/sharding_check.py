@@ -20,10 +20,11 @@ model = bf.models.get_model("mlp", 10, hidden=(16,))
 mesh = client_mesh()
 cases = {
     "fola_everyone": (bf.algorithms.fola(model, lr=0.1, lam=10.0, batch_size=16), {}),
-    "fedavg_sampled": (bf.algorithms.fedavg(model, lr=0.1, batch_size=16), {"clients_per_round": 3}),
-    "fedcurv_loo": (bf.algorithms.fedcurv(model, lr=0.1, batch_size=16, variant="leave_one_out"), {}),
+    "fedcurv_loo_round_subsets": (bf.algorithms.fedcurv(model, lr=0.1, batch_size=16, variant="leave_one_out"),
+                                  {"round_fractions": (0.5, 0.9)}),
     "scaffold_sampled": (bf.algorithms.scaffold(model, num_clients=5, lr=0.1, batch_size=16), {"clients_per_round": 3}),
-    "readme_fedavg_momentum": (run_readme_code(definition_only=True)["fedavg_momentum"](model), {"clients_per_chunk": 2}),
+    "readme_fedavg_momentum_sampled": (run_readme_code(definition_only=True)["fedavg_momentum"](model),
+                                       {"clients_per_chunk": 2, "clients_per_round": 3}),
     "hbfl_groups_sampled": (bf.algorithms.hbfl(model, input_shape=(8, 8, 1), batch_size=16, local_models=(
         bf.models.get_model("mlp", 10, hidden=(8,)), bf.models.get_model("logistic", 10))),
         {"clients_per_round": 3, "client_groups": [0, 0, 1, 1, 1]}),

@@ -78,7 +78,16 @@ def test_mc_dropout_schedule_and_final_uncertainty(tmp_path):
                                         ("--algorithm=hbfl --client_architectures=mlp:3", "assigns 3 clients"),
                                         ("--algorithm=fedavg --client_architectures=mlp:4", "drop the flag"),
                                         ("--client_test_splits --partition=iid", "--partition=dirichlet_per_class"),
-                                        ("--algorithm=hbfl --distill_alpha=2", "--distill_alpha must be in")])
+                                        ("--algorithm=hbfl --distill_alpha=2", "--distill_alpha must be in"),
+                                        ("--task=segmentation", "fix: --dataset=vessels"),
+                                        ("--dataset=vessels", "fix: --task=segmentation --model=unet"),
+                                        ("--dataset=vessels --task=segmentation --model=unet --algorithm=fola",
+                                         "fix: --algorithm=fedavg or fedprox or fedref"),
+                                        ("--dataset=vessels --task=segmentation --model=unet --algorithm=fedavg",
+                                         "fix: --partition=nested"),
+                                        ("--algorithm=fedref --fedref_p=0", "--fedref_p must be >= 1"),
+                                        ("--round_fractions=0.5,2", "--round_fractions must be numbers in (0, 1]"),
+                                        ("--server_optimizer=adamw", "--server_optimizer")])
 def test_bad_flags_fail_with_one_clear_line(bad, needle, tmp_path):
     out = _run(*SMALL, *bad.split(), f"--output_dir={tmp_path}", check=False)
     assert out.returncode != 0
@@ -94,6 +103,28 @@ def test_hbfl_preset_runs_heterogeneous_clients_with_their_own_test_splits(tmp_p
     assert 0.3 < summary["best_client_test_accuracy"] <= 1.0
     rounds = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(r["client_test_accuracy"] >= r["client_test_meme_accuracy"] - 1e-6 for r in rounds)
+
+
+def test_fedref_segmentation_preset_through_the_binary(tmp_path):
+    """The offline segmentation preset: U-Net on procedural vessels, nested subsets, FedRef from round 1."""
+    out = _run(f"--flagfile={ROOT}/experiments/configs/fedref/vessels_unet.flags", "--rounds=2", "--max_train=40",
+               "--max_test=10", "--fedref_warmup=0", f"--output_dir={tmp_path}")
+    assert "round    2  Dice" in out.stdout and "HD95" in out.stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["algorithm"] == "fedref" and summary["flags"]["task"] == "segmentation"
+    final = summary["final"]
+    assert {"dice", "iou", "hd95", "authors_dice", "authors_iou", "authors_hd95", "loss"} <= set(final)
+    assert 0 <= final["iou"] <= final["dice"] <= 1 and final["hd95"] >= 0
+    rounds = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rounds[1]["fedref_correction"] > 0  # the server step moved the aggregate (no warm-up)
+
+
+def test_server_optimizer_wraps_any_algorithm_through_the_binary(tmp_path):
+    out = _run(*SMALL, "--algorithm=fedavg", "--server_optimizer=adam", "--server_lr=0.01", "--rounds=2",
+               "--partition=nested", "--num_clients=3", f"--output_dir={tmp_path}")
+    assert "fedavg+adam on digits" in out.stdout
+    rounds = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["server_update_norm"] > 0 for r in rounds)
 
 
 def test_flagfiles_parse():
@@ -128,7 +159,7 @@ def test_every_option_flag_is_an_option_of_its_algorithms():
     import bfedjax as bf
     from experiments import algorithm_flags
     assert set(bf.algorithms.ALGORITHMS) == {"fedavg", "fedsgd", "fedprox", "fedcurv", "fola", "bfl", "scaffold",
-                                             "fednova", "fedreg", "hbfl", "fml", "abavg"}
+                                             "fednova", "fedreg", "fedref", "hbfl", "fml", "abavg"}
     for flag, (option, algorithms) in algorithm_flags.OPTION_FLAGS.items():
         for name in algorithms:
             assert option in bf.algorithms.options_of(name), (flag, name)
@@ -171,8 +202,8 @@ def test_bench_targets_follow_the_platform():
 
 def test_bfl_rules_script_smoke(tmp_path):
     out_file = tmp_path / "rules.md"
-    _script("experiments.bfl_rules", "--seeds=0,1", "--settings=1:2", "--partitions=shards", "--rules=wc,nwa",
-            "--hidden=8", f"--results_file={out_file}")
+    _script("experiments.bfl_rules", "--seeds=0", "--settings=1:2", "--partitions=shards", "--rules=wc,nwa",
+            "--hidden=8", "--max_train=400", "--test_samples=2", f"--results_file={out_file}")
     text = out_file.read_text()
     for method in ("fedavg", "mc_dropout", "wc", "nwa"):
         assert f"| {method} | " in text

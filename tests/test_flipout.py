@@ -59,7 +59,7 @@ def _loc_gradients(vi, x, y, keys):
         return vi.svi.loss.loss(key, {**params, name: loc}, vi.svi.model, vi.svi.guide, x, y,
                                 jnp.ones(len(y)), jnp.float32(len(y)))
 
-    return jax.vmap(jax.grad(loss), (None, 0))(params[name], keys)
+    return jax.jit(jax.vmap(jax.grad(loss), (None, 0)))(params[name], keys)
 
 
 def test_flipout_lowers_the_gradient_variance(digits):

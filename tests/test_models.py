@@ -141,7 +141,7 @@ def test_vmap_over_stacked_clients():
 
 def test_registry_and_unknown_name():
     assert set(MODELS) == {"logistic", "mlp", "mlp_500_300", "mlp_200_200", "fola_cnn", "lenet", "cnn1", "cnn2",
-                           "resnet20", "fedreg_cnn"}
+                           "resnet20", "fedreg_cnn", "unet"}
     assert isinstance(get_model("fola_cnn", 10), FolaCNN)
     assert isinstance(get_model("lenet", 10), LeNet)
     assert isinstance(get_model("logistic", 10), Logistic)

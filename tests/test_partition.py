@@ -58,7 +58,8 @@ def _check(parts, m, n, disjoint=True):
 
 
 def test_registry_covers_all_schemes():
-    assert set(PARTITIONERS) == set(CASES)
+    # "nested" (FedRef's overlapping prefixes, not disjoint) is tested in test_fedref.py
+    assert set(PARTITIONERS) == set(CASES) | {"nested"}
 
 
 @pytest.mark.parametrize("scheme", sorted(CASES))
@@ -278,9 +279,15 @@ def test_dispatcher_errors(args, kwargs, match):
 
 def test_label_validation():
     with pytest.raises(ValueError, match="integers"):
-        iid(Y.astype(np.float32), 2, seed=0)
+        partition(Y.astype(np.float32), "dirichlet_per_class", 2, seed=0, alpha=1.0)
     with pytest.raises(ValueError, match="1-D"):
-        iid(Y.reshape(-1, 2), 2, seed=0)
+        partition(Y.reshape(-1, 2), "dirichlet_per_class", 2, seed=0, alpha=1.0)
+    # iid and nested only count samples: segmentation masks [m, H, W] split like labels [m]
+    masks = np.zeros((M, 4, 4), np.int32)
+    for p, q in zip(iid(masks, 3, seed=1), iid(Y, 3, seed=1)):
+        np.testing.assert_array_equal(p, q)
+    with pytest.raises(ValueError, match="non-empty"):
+        iid(np.zeros((0, 4, 4)), 2, seed=0)
 
 
 def test_describe():

@@ -123,7 +123,7 @@ def test_fola_running_average_is_eq25():
     for r in range(1, 7):
         hp = {"round": jnp.int32(r), "lr": jnp.float32(0.0), "lam": jnp.float32(0.0)}
         ctx = ClientContext(server, (), data, hp)
-        messages = [algo.client_final(LocalState({"w": jnp.ones(5)}, (), {"w": jnp.asarray(f)}, jnp.int32(1)), ctx)[0]
+        messages = [algo.client_final(LocalState({"w": jnp.ones(5)}, (), {"w": jnp.asarray(f)}, jnp.int32(1), jnp.float32(0)), ctx)[0]
                     for f in fishers[r - 1]]
         stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *messages)
         server, _ = algo.aggregate(server, stacked, jnp.asarray(pi, jnp.float32), jnp.ones(3), hp, jax.random.PRNGKey(r))

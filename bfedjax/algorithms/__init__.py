@@ -5,6 +5,7 @@ from bfedjax.algorithms.fedavg import fedavg, fedsgd
 from bfedjax.algorithms.fedcurv import fedcurv
 from bfedjax.algorithms.fednova import fednova
 from bfedjax.algorithms.fedprox import fedprox
+from bfedjax.algorithms.fedref import fedref, with_reference_model
 from bfedjax.algorithms.fedreg import fedreg
 from bfedjax.algorithms.fml import fml
 from bfedjax.algorithms.hbfl import hbfl
@@ -12,6 +13,8 @@ from bfedjax.algorithms.private_models import PrivateModels
 from bfedjax.algorithms.fola import FolaConfig, fola
 from bfedjax.algorithms.registry import ALGORITHMS, build, options_of
 from bfedjax.algorithms.scaffold import scaffold
+from bfedjax.algorithms.server_opt import SERVER_OPTIMIZERS, server_optimizer, with_server_optimizer
 
-__all__ = ["ALGORITHMS", "FolaConfig", "PrivateModels", "abavg", "bfl", "build", "fedavg", "fedcurv", "fednova",
-           "fedprox", "fedreg", "fedsgd", "fml", "fola", "hbfl", "options_of", "scaffold"]
+__all__ = ["ALGORITHMS", "FolaConfig", "PrivateModels", "SERVER_OPTIMIZERS", "abavg", "bfl", "build", "fedavg",
+           "fedcurv", "fednova", "fedprox", "fedref", "fedreg", "fedsgd", "fml", "fola", "hbfl", "options_of",
+           "scaffold", "server_optimizer", "with_reference_model", "with_server_optimizer"]

@@ -36,12 +36,14 @@ CorrectionFn = Callable[[ClientContext], Any]
 
 class LocalState(NamedTuple):
     """params: local weights; opt_state: optax state; fisher: accumulated increments (``()`` if none);
-    steps: ``[]`` int32 real steps taken this round."""
+    steps: ``[]`` int32 real steps taken this round; loss: ``[]`` the training loss of the last
+    real batch, before its update (FedRef's ``last_batch`` report, the paper's ``F(theta^(s); B^(s))``)."""
 
     params: Any
     opt_state: Any
     fisher: Any
     steps: jax.Array
+    loss: jax.Array
 
 
 OPTIMIZERS = ("sgd", "adam")
@@ -68,7 +70,8 @@ def direction_transform(clip_norm: float | None, momentum: float = 0.0,
 def make_sgd_client(model, *, prior_fn: PriorFn | None = None, prior_weight: str = "lam", fisher: str | None = None,
                     clip_norm: float | None = 10.0, momentum: float = 0.0, prior_grad: bool = True,
                     optimizer: str = "sgd", dp_clip: float | None = None, dp_noise: float = 0.0,
-                    correction_fn: CorrectionFn | None = None, weight_decay: float = 0.0):
+                    correction_fn: CorrectionFn | None = None, weight_decay: float = 0.0,
+                    loss_fn: Callable | None = None):
     """Returns ``(client_init, client_step)`` for local SGD.
 
     Args:
@@ -90,6 +93,9 @@ def make_sgd_client(model, *, prior_fn: PriorFn | None = None, prior_weight: str
       weight_decay: L2 penalty ``weight_decay/2 * ||W||^2`` on every ``kernel`` leaf (dense and
         conv weights; biases and normalisation layers are not decayed); Fischer et al. use 1e-4
         for their deterministic and MC-dropout baselines.
+      loss_fn: ``(params, Batch) -> scalar``, the masked mean training loss of another task
+        (``tasks.Task.loss``, e.g. segmentation's BCE + soft Dice); ``None``: cross-entropy.
+        Not combined with a Fisher, DP-SGD or a BatchNorm/dropout model.
     Models with BatchNorm or dropout (``models.apply``) train in training mode:
     the step key drives dropout and the BatchNorm statistics of the real rows
     update the running averages carried in ``params``.
@@ -110,29 +116,34 @@ def make_sgd_client(model, *, prior_fn: PriorFn | None = None, prior_weight: str
                              "fix: use 'batch_mean_sq'")
     if weight_decay < 0:
         raise ValueError(f"weight_decay={weight_decay} must be >= 0, e.g. 1e-4")
+    if loss_fn is not None and (fisher is not None or dp_clip is not None or train_apply is not None):
+        raise ValueError("a task loss other than cross-entropy trains without a Fisher, DP-SGD, BatchNorm or "
+                         "dropout; fix: drop those options or use a classification task")
     tx = direction_transform(clip_norm, momentum, optimizer)
     stateful_tx = bool(momentum) or optimizer != "sgd"
 
     def gradient(params, batch, count, key):
-        """(grad, Fisher increment, params with updated BatchNorm statistics)."""
+        """(loss, grad, Fisher increment, params with updated BatchNorm statistics)."""
+        if loss_fn is not None:
+            loss, grad = jax.value_and_grad(loss_fn)(params, batch)
+            return loss, grad, None, params
         if dp_clip is not None:
-            _, grad = private_gradient(apply_fn, params, batch, key, clip_norm=dp_clip, noise_multiplier=dp_noise)
+            loss, grad = private_gradient(apply_fn, params, batch, key, clip_norm=dp_clip, noise_multiplier=dp_noise)
             m = jnp.maximum(count.astype(jnp.float32), 1.0)
-            return grad, increment_from_batch_grad(grad, batch, m, fisher), params
+            return loss, grad, increment_from_batch_grad(grad, batch, m, fisher), params
         if train_apply is None:
-            _, grad, increment = grad_and_fisher(apply_fn, params, batch, count, fisher)
-            return grad, increment, params
-        _, grad, increment, params = train_mode_grad_and_fisher(train_apply, params, batch, count, fisher, key)
-        return grad, increment, params
+            loss, grad, increment = grad_and_fisher(apply_fn, params, batch, count, fisher)
+            return loss, grad, increment, params
+        return train_mode_grad_and_fisher(train_apply, params, batch, count, fisher, key)
 
     def client_init(ctx: ClientContext, key) -> LocalState:
         del key
         params = ctx.server["params"]
         acc = tree_zeros_like(params) if fisher is not None else ()
-        return LocalState(params, tx.init(params), acc, jnp.zeros((), jnp.int32))
+        return LocalState(params, tx.init(params), acc, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
 
     def client_step(local: LocalState, batch: Batch, ctx: ClientContext, key) -> LocalState:
-        grad, increment, current = gradient(local.params, batch, ctx.data.count, key)
+        loss, grad, increment, current = gradient(local.params, batch, ctx.data.count, key)
         if prior_fn is not None and prior_grad:
             center, precision = prior_fn(ctx)
             lam = ctx.hparams[prior_weight]
@@ -153,7 +164,7 @@ def make_sgd_client(model, *, prior_fn: PriorFn | None = None, prior_weight: str
             step = lr * clip_scale(grad, clip_norm)
             params = jax.tree.map(lambda t, g: t - step * g, current, grad)
         acc = jax.tree.map(jnp.add, local.fisher, increment) if fisher is not None else ()
-        return LocalState(params, opt_state, acc, local.steps + 1)
+        return LocalState(params, opt_state, acc, local.steps + 1, loss.astype(jnp.float32))
 
     return client_init, client_step
 

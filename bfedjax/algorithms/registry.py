@@ -16,6 +16,7 @@ from bfedjax.algorithms.fedavg import fedavg, fedsgd
 from bfedjax.algorithms.fedcurv import fedcurv
 from bfedjax.algorithms.fednova import fednova
 from bfedjax.algorithms.fedprox import fedprox
+from bfedjax.algorithms.fedref import fedref
 from bfedjax.algorithms.fedreg import fedreg
 from bfedjax.algorithms.fml import fml
 from bfedjax.algorithms.hbfl import hbfl
@@ -33,6 +34,7 @@ ALGORITHMS = {
     "scaffold": scaffold,
     "fednova": fednova,
     "fedreg": fedreg,
+    "fedref": fedref,
     "hbfl": hbfl,
     "fml": fml,
     "abavg": abavg,

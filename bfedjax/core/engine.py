@@ -34,6 +34,14 @@ algorithm sees the same draw at a given seed), train ``x ~ U{1..E}`` epochs
 instead of E; the engine runs each client under a step budget
 (``Cohort.budgets``).
 
+Nested round subsets (FedRef's MNIST/DRIVE protocol): with
+``RoundConfig.round_fractions`` every client draws a fraction ``f`` from that
+tuple each round (from the round key, so every algorithm sees the same draw at
+a given seed) and trains on the first ``round(f * n_k)`` rows of its data; its
+weight is scaled by ``f``, so by-size weights become the subset sizes. With the
+``nested`` partition (every client holds the same seeded permutation of the
+training set) the subsets are nested, overlapping prefixes redrawn every round.
+
 Backends: ``vmap`` (the library), ``sequential`` (one jitted call per client,
 the reference the tests compare with), ``stepwise`` (a Python loop over
 clients and batches with one jitted step per batch, FedJAX's design and the
@@ -58,6 +66,7 @@ from bfedjax.tree import tree_stack, weighted_sum
 BACKENDS = ("vmap", "sequential", "stepwise", "debug")
 SERVER_KEY_STREAM = 0x5E5E  # the server's key is fold_in(round key, this): sampling and client keys stay as they were
 STRAGGLER_KEY_STREAM = 0x57A6  # the straggler draw's key: fold_in(round key, this)
+SUBSET_KEY_STREAM = 0x5B5E  # the round-subset draw's key: fold_in(round key, this)
 NO_BUDGET = jnp.iinfo(jnp.int32).max  # a step budget that never binds
 
 
@@ -106,6 +115,8 @@ class RoundConfig:
       client axis is sharded); the extra slots are padding.
     client_groups: ``N`` ints, each client's architecture group (``None``: every client in group 0).
     straggler_fraction: the fraction of clients that train fewer epochs each round (0: none).
+    round_fractions: fractions in (0, 1]; each round every client trains on the first
+      ``round(f * n_k)`` rows of its data, ``f`` drawn uniformly from them (``None``: all rows).
     """
 
     num_clients: int
@@ -115,6 +126,7 @@ class RoundConfig:
     pad_cohort_to: int = 1
     client_groups: tuple[int, ...] | None = None
     straggler_fraction: float = 0.0
+    round_fractions: tuple[float, ...] | None = None
 
     def __post_init__(self):
         if not 1 <= self.clients_per_round <= self.num_clients:
@@ -130,6 +142,12 @@ class RoundConfig:
             object.__setattr__(self, "client_groups", groups)
         if not 0.0 <= self.straggler_fraction <= 1.0:
             raise ValueError(f"straggler_fraction={self.straggler_fraction} must be in [0, 1], e.g. 0.5")
+        if self.round_fractions is not None:
+            fractions = tuple(float(f) for f in self.round_fractions)
+            if not fractions or not all(0.0 < f <= 1.0 for f in fractions):
+                raise ValueError(f"round_fractions={self.round_fractions} must be fractions in (0, 1], "
+                                 "e.g. (0.5, 0.6, 0.7, 0.8, 0.9)")
+            object.__setattr__(self, "round_fractions", fractions)
 
     @property
     def padded_cohort(self) -> int:
@@ -256,6 +274,22 @@ def straggler_epochs(config: RoundConfig, arrays: RoundArrays, key: jax.Array, l
     stragglers = real & (rank < jnp.round(config.straggler_fraction * jnp.sum(real)))
     fewer = 1 + jnp.minimum(jnp.floor(draws[:, 1] * local_epochs), local_epochs - 1).astype(jnp.int32)
     return jnp.where(stragglers, fewer, local_epochs).astype(jnp.int32)
+
+
+def with_round_subsets(config: RoundConfig, arrays: RoundArrays, key: jax.Array) -> RoundArrays:
+    """``arrays`` with this round's counts ``round(f_n * n_n)`` (at least 1) and weights ``f_n * w_n``.
+
+    ``f_n`` is drawn uniformly from ``config.round_fractions`` with
+    ``fold_in(fold_in(round key, SUBSET_KEY_STREAM), n)``; unchanged without round fractions.
+    """
+    if config.round_fractions is None:
+        return arrays
+    fractions = jnp.asarray(config.round_fractions, jnp.float32)
+    stream = jax.random.fold_in(key, SUBSET_KEY_STREAM)
+    pick = jax.vmap(lambda i: jax.random.randint(jax.random.fold_in(stream, i), (), 0, len(fractions)))
+    f = fractions[pick(jnp.arange(arrays.counts.shape[0]))]
+    counts = jnp.where(arrays.counts > 0, jnp.maximum(jnp.round(f * arrays.counts), 1), 0).astype(arrays.counts.dtype)
+    return arrays._replace(counts=counts, base_weights=arrays.base_weights * f)
 
 
 def sample_cohort(config: RoundConfig, arrays: RoundArrays, key, batch_size: int = 1, local_epochs: int = 1) -> Cohort:
@@ -503,6 +537,11 @@ def make_round_step(algorithm: Algorithm, config: RoundConfig, backend: str = "v
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; choose one of {BACKENDS}")
+    if config.round_fractions is not None:
+        full = make_round_step(algorithm, dataclasses.replace(config, round_fractions=None), backend)
+        subsets = jax.jit(lambda arrays, key: with_round_subsets(config, arrays, key)) if backend != "debug" else (
+            lambda arrays, key: with_round_subsets(config, arrays, key))
+        return lambda state, arrays, key, hparams: full(state, subsets(arrays, key), key, hparams)
     if backend == "vmap":
         return jax.jit(lambda state, arrays, key, hparams: _vmapped_round(algorithm, config, state, arrays, key, hparams))
     if backend == "sequential":
@@ -681,4 +720,5 @@ def _debug_round_fn(algorithm, config):
 
 
 __all__ = ["BACKENDS", "NO_BUDGET", "Cohort", "EngineState", "RoundArrays", "RoundConfig", "StageError", "init_state",
-           "local_training", "make_round_step", "sample_cohort", "server_key_of", "straggler_epochs"]
+           "local_training", "make_round_step", "sample_cohort", "server_key_of", "straggler_epochs",
+           "with_round_subsets"]

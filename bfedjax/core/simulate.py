@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -89,7 +89,7 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
              hparams_fn: Callable[[int], dict] | None = None, evaluate_local: bool = True,
              init_params=None, init_server=None, checkpoint_dir: str | None = None,
              mesh=None, client_groups=None, straggler_fraction: float = 0.0,
-             on_round: Callable[[dict], None] | None = None,
+             round_fractions: Sequence[float] | None = None, on_round: Callable[[dict], None] | None = None,
              stop_when: Callable[[list[dict]], bool] | None = None) -> SimulationResult:
     """Runs ``rounds`` federated rounds.
 
@@ -115,6 +115,9 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
         persistent state (e.g. a local model of the group's architecture) in the group's arrays.
       straggler_fraction: this fraction of clients trains ``x ~ U{1..E}`` epochs each round
         (drawn from the round key: the same stragglers for every algorithm at a given seed).
+      round_fractions: e.g. ``(0.5, 0.6, 0.7, 0.8, 0.9)``: each round every client trains on the
+        first ``round(f * n_k)`` rows of its data with ``f`` drawn from these (its weight scaled
+        by ``f``); with ``data.partition(..., "nested")`` these are FedRef's nested subsets.
       on_round: called with each round's record (a dict of floats).
       stop_when: called with the records so far after each round; ``True`` ends the run
         early (e.g. ``patience_reached`` for early stopping).
@@ -132,7 +135,8 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
         groups = None if groups is None else groups + (0,) * (num_clients - fed.num_clients)
     config = RoundConfig(num_clients=num_clients, clients_per_round=k, clients_per_chunk=clients_per_chunk,
                          evaluate_local=evaluate_local, pad_cohort_to=mesh.devices.size if mesh is not None else 1,
-                         client_groups=groups, straggler_fraction=straggler_fraction)
+                         client_groups=groups, straggler_fraction=straggler_fraction,
+                         round_fractions=None if round_fractions is None else tuple(round_fractions))
     if init_params is None and init_server is None:
         if algorithm.init_params is None:
             raise ValueError(f"{algorithm.name} has no init_params hook; fix: pass simulate(..., init_params=...)")

@@ -16,7 +16,9 @@ from bfedjax.data.partition import (
 )
 from bfedjax.data.federated import FederatedData, from_partition, join_tasks, stack_clients
 from bfedjax.data.augment import AUGMENTATIONS, augmented, random_shift_flip
+from bfedjax.data.segmentation import load_drive, vessels
 
 __all__ = ["DATASETS", "PIXELS", "Dataset", "DataUnavailableError", "available", "holdout", "load", "PARTITIONERS", "class_groups", "describe",
            "dirichlet_per_class", "dirichlet_per_client", "dirichlet_train_test", "iid", "partition", "power_law", "shards", "single_class",
-           "FederatedData", "from_partition", "join_tasks", "stack_clients", "AUGMENTATIONS", "augmented", "random_shift_flip"]
+           "FederatedData", "from_partition", "join_tasks", "stack_clients", "AUGMENTATIONS", "augmented", "random_shift_flip",
+           "load_drive", "vessels"]

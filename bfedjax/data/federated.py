@@ -16,7 +16,7 @@ class FederatedData:
     """A partitioned data set ready for the round engine.
 
     x: ``[N, max_n, ...]`` float32 client inputs (zero padded).
-    y: ``[N, max_n]`` int32 client labels (zero padded).
+    y: ``[N, max_n]`` int32 client labels, or ``[N, max_n, H, W]`` masks (zero padded).
     counts: ``[N]`` int32 real samples per client.
     x_test: ``[T, ...]``, y_test: ``[T]``: the global test set.
     num_classes: number of labels.
@@ -100,11 +100,12 @@ def stack_clients(x: np.ndarray, y: np.ndarray, parts: Sequence[np.ndarray], *, 
 
 
 def _padded(x: np.ndarray, y: np.ndarray, parts: Sequence[np.ndarray], pad_to_multiple: int):
-    """``([N, max_n, ...] float32, [N, max_n] int32, [N] int32)`` of the index arrays ``parts``."""
+    """``([N, max_n, ...] float32, [N, max_n, ...] int32, [N] int32)`` of the index arrays ``parts``
+    (``y`` holds class ids ``[m]`` or segmentation masks ``[m, H, W]``)."""
     counts = np.array([len(p) for p in parts], np.int32)
     max_n = max(1, int(np.ceil(counts.max() / pad_to_multiple) * pad_to_multiple))
     xs = np.zeros((len(parts), max_n) + x.shape[1:], np.float32)
-    ys = np.zeros((len(parts), max_n), np.int32)
+    ys = np.zeros((len(parts), max_n) + y.shape[1:], np.int32)
     for n, idx in enumerate(parts):
         xs[n, : len(idx)] = x[idx]
         ys[n, : len(idx)] = y[idx]

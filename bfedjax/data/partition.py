@@ -60,6 +60,14 @@ def _check_labels(labels) -> np.ndarray:
     return y.astype(np.int64)
 
 
+def _num_samples(labels) -> int:
+    """``m`` for partitioners that only use the number of samples (``labels [m, ...]``: class ids or masks)."""
+    y = np.asarray(labels)
+    if y.ndim == 0 or len(y) == 0:
+        raise ValueError(f"labels must be a non-empty array [m, ...], got shape {y.shape}; fix: pass y_train")
+    return len(y)
+
+
 def _check_clients(num_clients, m: int) -> int:
     if not isinstance(num_clients, numbers.Integral) or num_clients < 1:
         raise ValueError(f"num_clients must be an integer >= 1, got {num_clients!r}; fix: pass e.g. num_clients=10")
@@ -99,17 +107,40 @@ def iid(labels: np.ndarray, num_clients: int, *, seed: int) -> list[np.ndarray]:
     """Uniformly shuffled split; client sizes differ by at most one.
 
     Args:
-      labels: ``[m]`` integer class ids (only ``m`` is used).
+      labels: ``[m, ...]`` class ids or segmentation masks (only ``m`` is used).
       num_clients: ``N``, ``1 <= N <= m``.
       seed: RNG seed.
 
     Returns:
       ``N`` sorted int64 index arrays partitioning ``range(m)``.
     """
-    y = _check_labels(labels)
-    n = _check_clients(num_clients, len(y))
-    perm = np.random.default_rng(seed).permutation(len(y))
+    m = _num_samples(labels)
+    n = _check_clients(num_clients, m)
+    perm = np.random.default_rng(seed).permutation(m)
     return _finish(np.array_split(perm, n))
+
+
+def nested(labels: np.ndarray, num_clients: int, *, seed: int) -> list[np.ndarray]:
+    """FedRef's partition (the authors' code): every client holds the same seeded permutation of ``range(m)``.
+
+    Train with ``simulate(..., round_fractions=(0.5, 0.6, 0.7, 0.8, 0.9))``: each round
+    each client takes the first ``f * m`` indices of the permutation, ``f`` drawn afresh,
+    so the clients' subsets are nested, overlapping and label-IID. Unlike the other
+    partitioners the arrays are in permutation order (not sorted) and not disjoint.
+
+    Args:
+      labels: ``[m, ...]`` class ids or masks (only ``m`` is used).
+      num_clients: ``N >= 1``.
+      seed: RNG seed of the permutation.
+
+    Returns:
+      ``N`` copies of one int64 permutation of ``range(m)``.
+    """
+    m = _num_samples(labels)
+    if not isinstance(num_clients, numbers.Integral) or num_clients < 1:
+        raise ValueError(f"num_clients must be an integer >= 1, got {num_clients!r}; fix: pass e.g. num_clients=10")
+    perm = np.random.default_rng(seed).permutation(m).astype(np.int64)
+    return [perm.copy() for _ in range(int(num_clients))]
 
 
 _EMPTY_RULES = ("fallback_sample", "resample")
@@ -675,6 +706,7 @@ def class_groups(
 
 PARTITIONERS: dict[str, Callable[..., list[np.ndarray]]] = {
     "iid": iid,
+    "nested": nested,
     "dirichlet_per_class": dirichlet_per_class,
     "dirichlet_per_client": dirichlet_per_client,
     "shards": shards,

@@ -49,6 +49,9 @@ DATASETS = (
     "emnist",
     "cifar10",
     "cifar100",
+    "vessels",  # segmentation (bfedjax.data.segmentation): y_* are [n, H, W] masks
+    "drive",
+    "oxford_iiit_pet",  # segmentation too: Oxford-IIIT Pet from TFDS, 64x64 RGB, pet-or-border masks
 )
 
 _EMNIST_CONFIGS = ("byclass", "bymerge", "balanced", "letters", "digits", "mnist")
@@ -537,6 +540,11 @@ def load(
       pixels: ``"standardised"`` (above) or ``"unit"``: pixels scaled to [0, 1]
         only (FedReg's sign-gradient steps ``eta_s`` are in these units).
 
+    Segmentation sets (``bfedjax.data.segmentation``): ``vessels`` (procedural;
+    ``max_train``/``max_test`` are its sizes, default 400/100, ``seed`` seeds it)
+    ``drive`` (DRIVE in ``data_dir``) and ``oxford_iiit_pet`` (TFDS, 64x64 RGB, pet-or-border
+    masks); their ``y_*`` are ``[n, H, W]`` masks.
+
     Returns:
       :class:`Dataset` with ``x_* [n, H, W, C]`` float32 and ``y_* [n]`` int32.
 
@@ -548,6 +556,11 @@ def load(
         raise ValueError(f"pixels={pixels!r}; choose one of {PIXELS}")
     unit = pixels == "unit"
     base, config = _canonical(name)
+    if base in ("vessels", "drive", "oxford_iiit_pet"):  # [n, H, W] masks: own packing, no stratified subsampling
+        from bfedjax.data.segmentation import load_segmentation
+
+        return load_segmentation(base, data_dir, max_train=max_train, max_test=max_test, seed=seed, pixels=pixels,
+                                 tfds_data_dir=tfds_data_dir, tfds_download=tfds_download)
     kw = dict(max_train=max_train, max_test=max_test, seed=seed)
     if base == "digits":
         return _load_digits(unit, **kw)

@@ -1,6 +1,20 @@
-"""Metrics: accuracy / loss inside jit, uncertainty of MC predictives, and round-curve summaries."""
+"""Metrics: accuracy / loss inside jit, uncertainty of MC predictives, round-curve summaries, and segmentation.
+
+``bfedjax.metrics.segmentation`` (Dice, IoU, HD95, the FedRef authors' soft metrics) loads on first use:
+it needs optax, which the core pieces of the library do not.
+"""
+import importlib
+
 from bfedjax.metrics import uncertainty
 from bfedjax.metrics.classification import accuracy, evaluate
 from bfedjax.metrics.rounds import best_so_far, rounds_to_fraction, rounds_to_target
 
-__all__ = ["accuracy", "evaluate", "best_so_far", "rounds_to_fraction", "rounds_to_target", "uncertainty"]
+
+def __getattr__(name):
+    if name == "segmentation":
+        return importlib.import_module("bfedjax.metrics.segmentation")
+    raise AttributeError(f"module 'bfedjax.metrics' has no attribute {name!r}")
+
+
+__all__ = ["accuracy", "evaluate", "best_so_far", "rounds_to_fraction", "rounds_to_target", "segmentation",
+           "uncertainty"]

@@ -4,6 +4,7 @@ from bfedjax.models import apply
 from bfedjax.models.apply import apply_fn_of, mc_predict_proba, train_apply_fn_of
 from bfedjax.models.groups import client_architectures, parse_architectures
 from bfedjax.models.resnet import ResNet20
+from bfedjax.models.unet import UNet
 from bfedjax.models.zoo import (
     DROPOUT_MODELS,
     CNN1,
@@ -21,7 +22,7 @@ from bfedjax.models.zoo import (
 )
 
 __all__ = [
-    "Logistic", "MLP", "FolaCNN", "LeNet", "CNN1", "CNN2", "CNN2Trunk", "FedRegCNN", "ResNet20",
+    "Logistic", "MLP", "FolaCNN", "LeNet", "CNN1", "CNN2", "CNN2Trunk", "FedRegCNN", "ResNet20", "UNet",
     "MODELS", "DROPOUT_MODELS", "get_model", "init_params", "num_params",
     "client_architectures", "parse_architectures", "apply", "apply_fn_of", "train_apply_fn_of", "mc_predict_proba",
 ]

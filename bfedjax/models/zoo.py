@@ -43,6 +43,7 @@ import flax.linen as nn
 from bfedjax.models.conv import conv_general_dilated as loop_friendly_conv
 from bfedjax.models.apply import has_batch_stats
 from bfedjax.models.resnet import ResNet20
+from bfedjax.models.unet import UNet
 
 Params = Any  # a pytree of arrays (the 'params' collection)
 
@@ -276,11 +277,15 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "fedreg_cnn": lambda num_classes, hidden=None: FedRegCNN(num_classes=num_classes),
     "resnet20": lambda num_classes, hidden=None, dropout_rate=0.0: ResNet20(num_classes=num_classes,
                                                                              dropout_rate=dropout_rate),
+    # Segmentation: num_classes == 2 is binary, one foreground logit per pixel ([B, H, W]).
+    "unet": lambda num_classes, hidden=None: UNet(out_channels=1 if num_classes == 2 else num_classes),
 }
 """name -> factory ``(num_classes, hidden=None[, dropout_rate]) -> nn.Module``.
 
 ``hidden`` is only used by ``"mlp"`` (default ``(200, 200)``); the other
 entries ignore it. Only the MLPs and ``"resnet20"`` take a ``dropout_rate``.
+``"unet"`` is a segmentation net (``models.unet``): logits ``[B, H, W]`` for
+``num_classes == 2`` (one foreground logit), else ``[B, H, W, num_classes]``.
 """
 
 

@@ -1,0 +1,388 @@
+"""Binary segmentation data sets: procedural "vessels", real DRIVE retinas and Oxford-IIIT Pet.
+
+All return the :class:`~bfedjax.data.sources.Dataset` of classification sets
+with per-pixel labels: ``x_* [n, H, W, C]`` float32 (``C = 1`` for vessels and
+DRIVE, 3 for the pets) and ``y_* [n, H, W]`` int32 masks in {0, 1}
+(1 = vessel / pet), ``num_classes = 2``. They are reached through
+``bfedjax.data.load("vessels" | "drive" | "oxford_iiit_pet", ...)``, which skips
+the stratified label subsampling of the classification sets (it needs ``[n]``
+labels).
+
+* :func:`vessels`: an offline, seeded stand-in for retinal-vessel
+  segmentation. Each image holds a few smooth curves (cubic Bezier curves,
+  some branching off the first one) 1-2 px wide; the image is a smooth
+  illumination field (linear gradient, vignette, a faint low-frequency wave)
+  plus the vessels, all darker or all brighter than their surroundings with a
+  contrast drawn per curve, plus Gaussian noise. The illumination varies more
+  across an image than the weakest vessels' contrast, so no global threshold
+  separates them (tested); local structure does.
+* :func:`load_drive`: the DRIVE data set (40 colour fundus photographs,
+  565x584, with manual vessel annotations) from its standard folder layout.
+* :func:`load_tfds_segmentation`: Oxford-IIIT Pet (7,349 photographs of cats
+  and dogs with pet / background / border trimaps) read from prepared TFDS
+  ``array_record`` data; the mask is pet-or-border vs background.
+"""
+from __future__ import annotations
+
+import glob
+import os
+
+import numpy as np
+
+from bfedjax.data.sources import PIXELS, Dataset, DataUnavailableError, _get_many, _short, _tfds_remedy
+
+__all__ = ["vessels", "load_drive", "load_tfds_segmentation", "load_segmentation", "trimap_to_mask"]
+
+_DRIVE_FIX = ("fix: pass --data_dir=DIR holding DRIVE's training/ and test/ folders "
+              "(download from the DRIVE challenge site)")
+
+
+# --------------------------------------------------------------------------
+# Shared packing
+# --------------------------------------------------------------------------
+
+
+def _pack(name: str, x_train, y_train, x_test, y_test, source: str, pixels: str) -> Dataset:
+    """Images ``[n, H, W]`` or ``[n, H, W, C]`` in [0, 1] and masks ``[n, H, W]`` -> a segmentation :class:`Dataset`.
+
+    ``pixels="standardised"`` applies ``(x - mean) / std`` with the training
+    set's statistics to both splits: one scalar mean and std for ``[n, H, W]``
+    images, one per channel for ``[n, H, W, C]``; ``"unit"`` keeps [0, 1].
+    ``[n, H, W]`` images get a trailing channel axis.
+    """
+    if pixels not in PIXELS:
+        raise ValueError(f"pixels={pixels!r}; choose one of {PIXELS}")
+    x_train, x_test = (np.asarray(x, np.float32) for x in (x_train, x_test))
+    if pixels == "standardised":
+        axes = tuple(range(x_train.ndim - 1)) if x_train.ndim == 4 else None  # per channel, else one scalar
+        mean = np.asarray(x_train.mean(axis=axes, dtype=np.float64), np.float32)
+        std = np.asarray(np.maximum(x_train.std(axis=axes, dtype=np.float64), 1e-12), np.float32)
+        x_train, x_test = ((x - mean) / std for x in (x_train, x_test))
+    if x_train.ndim == 3:
+        x_train, x_test = x_train[..., None], x_test[..., None]
+    return Dataset(name=name, x_train=np.ascontiguousarray(x_train, np.float32),
+                   y_train=np.ascontiguousarray(y_train, np.int32),
+                   x_test=np.ascontiguousarray(x_test, np.float32),
+                   y_test=np.ascontiguousarray(y_test, np.int32), num_classes=2, source=source)
+
+
+# --------------------------------------------------------------------------
+# Procedural vessels
+# --------------------------------------------------------------------------
+
+
+def _bezier(ctrl: np.ndarray, steps: int) -> np.ndarray:
+    """Cubic Bezier points: control points ``[..., 4, 2]`` -> ``[..., steps, 2]``."""
+    t = np.linspace(0.0, 1.0, steps)[:, None]
+    basis = np.concatenate([(1 - t) ** 3, 3 * t * (1 - t) ** 2, 3 * t ** 2 * (1 - t), t ** 3], axis=1)  # [T, 4]
+    return basis @ ctrl
+
+
+def _curves(rng: np.random.Generator, n: int, k: int, size: int) -> np.ndarray:
+    """``[n, k, T, 2]`` points (row, col) of ``k`` curves per image; curves >= 1 branch off curve 0 half the time."""
+    steps = 8 * size  # a curve is rarely longer than ~2 * size: spacing well under 0.5 px keeps it connected
+    ctrl = rng.uniform(-0.1, 1.1, size=(n, k, 4, 2)) * (size - 1)
+    first = _bezier(ctrl[:, 0], steps)  # [n, T, 2]
+    at = rng.integers(steps // 8, steps - steps // 8, size=(n, k))
+    branch = rng.random((n, k)) < 0.5
+    branch[:, 0] = False
+    ctrl[:, :, 0] = np.where(branch[..., None], first[np.arange(n)[:, None], at], ctrl[:, :, 0])
+    return _bezier(ctrl, steps)
+
+
+def _rasterise(points: np.ndarray, radius: np.ndarray, size: int) -> np.ndarray:
+    """Curve index map ``[n, size, size]`` int8: 1 + the last curve within ``radius`` of a pixel centre, else 0.
+
+    Args:
+      points: ``[n, k, T, 2]`` densely sampled curve points (pixel centres are integer coordinates).
+      radius: ``[n, k]`` half widths (<= 1.5, so the 3x3 pixels around a point suffice); 0 draws nothing.
+    """
+    n, k, steps, _ = points.shape
+    keep = np.broadcast_to((radius > 0)[..., None], (n, k, steps)) & ((points > -2) & (points < size + 1)).all(-1)
+    img, curve, _ = np.nonzero(keep)  # one entry per drawn point, flat
+    p, r2 = points[keep], radius[img, curve] ** 2
+    centre = np.rint(p).astype(np.int64)
+    frac = p - centre
+    out = np.zeros(n * size * size, np.int8)
+    for dr in (-1, 0, 1):
+        for dc in (-1, 0, 1):
+            row, col = centre[:, 0] + dr, centre[:, 1] + dc
+            hit = ((dr - frac[:, 0]) ** 2 + (dc - frac[:, 1]) ** 2 <= r2) & (row >= 0) & (row < size) & (
+                col >= 0) & (col < size)
+            out[(img[hit] * size + row[hit]) * size + col[hit]] = curve[hit] + 1
+    return out.reshape(n, size, size)
+
+
+def _illumination(rng: np.random.Generator, n: int, size: int) -> np.ndarray:
+    """``[n, size, size]`` smooth background: level + linear gradient (slope 0.25-0.6) - vignette + a low-frequency wave."""
+    u = np.linspace(-0.5, 0.5, size)
+    rows, cols = u[None, :, None], u[None, None, :]
+    draw = lambda lo, hi: rng.uniform(lo, hi, size=(n, 1, 1))  # noqa: E731
+    level, slope, angle, vignette = draw(0.35, 0.65), draw(0.25, 0.6), draw(0.0, 2 * np.pi), draw(0.0, 0.8)
+    g_r, g_c = slope * np.cos(angle), slope * np.sin(angle)  # the gradient is never flat
+    f_r, f_c, phase, wave = draw(-2.0, 2.0), draw(-2.0, 2.0), draw(0.0, 2 * np.pi), draw(0.0, 0.1)
+    return (level + g_r * rows + g_c * cols - vignette * (rows ** 2 + cols ** 2)
+            + wave * np.cos(2 * np.pi * (f_r * rows + f_c * cols) + phase))
+
+
+def _draw_vessels(rng: np.random.Generator, n: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` images ``[n, size, size]`` float32 in [0, 1] and masks ``[n, size, size]`` int32.
+
+    Per image: 2-4 curves (scaled by ``size / 32``), half widths U(0.5, 0.95) px
+    (1-2 px lines), contrasts U(0.12, 0.45) per curve, one polarity per image
+    (70% dark vessels, as in DRIVE's green channel), noise sd U(0.02, 0.06).
+    """
+    scale = size / 32
+    lo, hi = max(1, round(2 * scale)), max(2, round(4 * scale))
+    count = rng.integers(lo, hi + 1, size=n)
+    active = np.arange(hi)[None, :] < count[:, None]  # [n, hi]
+    radius = np.where(active, rng.uniform(0.5, 0.95, size=(n, hi)), 0.0)
+    which = _rasterise(_curves(rng, n, hi, size), radius, size)  # [n, size, size], 0 = background
+    contrast = np.concatenate([np.zeros((n, 1)), rng.uniform(0.12, 0.45, size=(n, hi))], axis=1)
+    polarity = np.where(rng.random((n, 1, 1)) < 0.7, -1.0, 1.0)
+    vessel = np.take_along_axis(contrast, which.reshape(n, -1).astype(np.int64), axis=1).reshape(which.shape)
+    noise = rng.normal(size=(n, size, size)) * rng.uniform(0.02, 0.06, size=(n, 1, 1))
+    x = np.clip(_illumination(rng, n, size) + polarity * vessel + noise, 0.0, 1.0)
+    return x.astype(np.float32), (which > 0).astype(np.int32)
+
+
+def vessels(num_train: int = 400, num_test: int = 100, size: int = 32, seed: int = 0,
+            pixels: str = "standardised") -> Dataset:
+    """Procedural thin-vessel segmentation set (a seeded, offline DRIVE stand-in; see the module docstring).
+
+    Train and test come from the independent streams ``default_rng([seed, 0])``
+    and ``default_rng([seed, 1])``; vessels cover about 5-15% of the pixels.
+
+    Args:
+      num_train, num_test: number of images per split (>= 1).
+      size: image side ``S`` (>= 8).
+      seed: generator seed; the same arguments always give the same arrays.
+      pixels: ``"standardised"`` (training mean/std) or ``"unit"`` ([0, 1]).
+
+    Returns:
+      ``Dataset(name="vessels")`` with ``x_* [n, S, S, 1]`` float32, ``y_* [n, S, S]`` int32 in {0, 1}.
+    """
+    if min(num_train, num_test) < 1 or size < 8:
+        raise ValueError(f"vessels: need num_train, num_test >= 1 and size >= 8, got "
+                         f"{num_train}, {num_test}, {size}")
+    train = _draw_vessels(np.random.default_rng([seed, 0]), int(num_train), int(size))
+    test = _draw_vessels(np.random.default_rng([seed, 1]), int(num_test), int(size))
+    return _pack("vessels", *train, *test, f"procedural:vessels(seed={seed})", pixels)
+
+
+# --------------------------------------------------------------------------
+# DRIVE
+# --------------------------------------------------------------------------
+
+
+def _drive_split(folder: str, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """One DRIVE split folder -> (green channel ``[n, size, size]`` in [0, 1], masks ``[n, size, size]``).
+
+    Image ``images/<id>_<split>.tif`` pairs with ``1st_manual/<id>_manual1.gif``.
+    The green channel is DRIVE practice: it has the best vessel contrast.
+    Images are resized bilinearly, masks nearest-neighbour and then ``> 127``.
+    """
+    from PIL import Image
+
+    manual = os.path.join(folder, "1st_manual")
+    images = sorted(glob.glob(os.path.join(folder, "images", "*.tif")))
+    pairs = [(p, glob.glob(os.path.join(manual, os.path.basename(p).split("_")[0] + "_*.gif"))) for p in images]
+    missing = [os.path.basename(p) for p, m in pairs if not m]
+    if missing:
+        raise DataUnavailableError(
+            f"drive: no manual annotation in {manual} for {missing[:3]} ({len(missing)} of {len(images)} images; "
+            f"some DRIVE copies ship without test/1st_manual); {_DRIVE_FIX}")
+    xs, ys = [], []
+    for image, (mask, *_) in pairs:
+        with Image.open(image) as im:
+            green = im.convert("RGB").getchannel("G").resize((size, size), Image.BILINEAR)
+        with Image.open(mask) as m:
+            mask_arr = np.asarray(m.convert("L").resize((size, size), Image.NEAREST))
+        xs.append(np.asarray(green, np.float32) / 255.0)
+        ys.append((mask_arr > 127).astype(np.int32))
+    return np.stack(xs), np.stack(ys)
+
+
+def load_drive(data_dir: str | None, size: int = 64, *, pixels: str = "standardised") -> Dataset:
+    """The DRIVE retinal-vessel set from ``data_dir`` (``training/`` and ``test/`` folders).
+
+    Layout: ``{training,test}/images/*.tif`` and ``{training,test}/1st_manual/*.gif``
+    (other folders, e.g. the field-of-view ``mask/``, are ignored).
+
+    Args:
+      data_dir: the folder holding ``training/`` and ``test/``.
+      size: side ``S`` the images and masks are resized to.
+      pixels: ``"standardised"`` (training mean/std) or ``"unit"``.
+
+    Returns:
+      ``Dataset(name="drive")``: ``x_* [n, S, S, 1]`` float32 (green channel), ``y_* [n, S, S]`` int32 in {0, 1}
+      (20 + 20 images in the full set).
+
+    Raises:
+      DataUnavailableError: a folder is missing or empty, or an image has no manual annotation
+        (e.g. a copy without ``test/1st_manual``).
+    """
+    root = os.path.expanduser(data_dir) if data_dir else None
+    for split in ("training", "test"):
+        for sub in ("images", "1st_manual"):
+            folder = os.path.join(root, split, sub) if root else None
+            if folder is None or not os.path.isdir(folder) or not os.listdir(folder):
+                what = "no --data_dir given" if root is None else f"{folder} is missing or empty"
+                hint = " (some DRIVE copies ship without the test annotations)" if (split, sub) == (
+                    "test", "1st_manual") and root else ""
+                raise DataUnavailableError(f"drive: {what}{hint}; {_DRIVE_FIX}")
+    train = _drive_split(os.path.join(root, "training"), int(size))
+    test = _drive_split(os.path.join(root, "test"), int(size))
+    return _pack("drive", *train, *test, f"drive:{root}", pixels)
+
+
+def _subset(n: int, max_n: int | None, seed: int, split: int) -> np.ndarray | None:
+    """Sorted indices of a seeded random subset of ``max_n`` of ``n`` items (``default_rng([seed, split])``);
+    None (keep all) when ``max_n`` is None or ``>= n``."""
+    if max_n is not None and max_n < 1:
+        raise ValueError(f"max_train/max_test must be >= 1, got {max_n}; fix: pass a positive count or None")
+    if max_n is None or max_n >= n:
+        return None
+    return np.sort(np.random.default_rng([seed, split]).choice(n, size=max_n, replace=False))
+
+
+def _limit(dataset: Dataset, max_train: int | None, max_test: int | None, seed: int) -> Dataset:
+    """A seeded random subset of at most ``max_train`` / ``max_test`` images (order kept); None keeps all."""
+    arrays = {}
+    for index, (split, max_n) in enumerate(zip(("train", "test"), (max_train, max_test))):
+        x, y = getattr(dataset, f"x_{split}"), getattr(dataset, f"y_{split}")
+        keep = _subset(len(y), max_n, seed, index)
+        if keep is not None:
+            x, y = x[keep], y[keep]
+        arrays.update({f"x_{split}": x, f"y_{split}": y})
+    return Dataset(name=dataset.name, num_classes=dataset.num_classes, source=dataset.source, **arrays)
+
+
+# --------------------------------------------------------------------------
+# Oxford-IIIT Pet (TFDS)
+# --------------------------------------------------------------------------
+
+#: Value of the background class in Oxford-IIIT Pet trimaps (1 = pet, 2 = background, 3 = border).
+_TRIMAP_BACKGROUND = 2
+
+
+def trimap_to_mask(trimap) -> np.ndarray:
+    """Oxford-IIIT Pet trimap (1 = pet, 2 = background, 3 = border / unclassified) -> int32 mask in {0, 1}.
+
+    Foreground is pet *or* border (``trimap != 2``): the border band is the
+    outline of the pet, where the annotators could not decide pixel by pixel,
+    so it counts as pet rather than being dropped (there is no ignore label in
+    the binary BCE + Dice loss). Any shape is kept, e.g. ``[H, W, 1]`` stays ``[H, W, 1]``.
+    """
+    return (np.asarray(trimap) != _TRIMAP_BACKGROUND).astype(np.int32)
+
+
+def _plane(array) -> np.ndarray:
+    """uint8 ``[H, W, 1]`` -> ``[H, W]`` (PIL has no one-channel ``HxWx1`` mode); ``[H, W]``, ``[H, W, 3]`` as they are."""
+    array = np.asarray(array, np.uint8)
+    return array[..., 0] if array.ndim == 3 and array.shape[-1] == 1 else array
+
+
+def _read_pets(ds, keep: np.ndarray | None, size: int, chunk: int = 256) -> tuple[np.ndarray, np.ndarray]:
+    """Records ``keep`` (None: all) of a TFDS data source -> (RGB ``[n, S, S, 3]`` in [0, 1], masks ``[n, S, S]``).
+
+    Each image is resized on its own to ``S x S`` (PIL bilinear; aspect ratio
+    not kept), its trimap independently (nearest neighbour) and then binarised
+    with :func:`trimap_to_mask`. Only the chosen records are decoded.
+    """
+    from PIL import Image
+
+    indices = np.arange(len(ds)) if keep is None else keep
+    xs, ys = np.empty((len(indices), size, size, 3), np.float32), np.empty((len(indices), size, size), np.int32)
+    for start in range(0, len(indices), chunk):
+        for i, rec in enumerate(_get_many(ds, [int(k) for k in indices[start:start + chunk]]), start):
+            image = Image.fromarray(_plane(rec["image"])).convert("RGB")
+            trimap = Image.fromarray(_plane(rec["segmentation_mask"]))
+            xs[i] = np.asarray(image.resize((size, size), Image.BILINEAR), np.float32) / 255.0
+            ys[i] = trimap_to_mask(np.asarray(trimap.resize((size, size), Image.NEAREST)))
+    return xs, ys
+
+
+def load_tfds_segmentation(tfds_name: str = "oxford_iiit_pet", tfds_data_dir: str | None = None, size: int = 64,
+                           download: bool = False, pixels: str = "standardised", *, max_train: int | None = None,
+                           max_test: int | None = None, seed: int = 0) -> Dataset:
+    """Oxford-IIIT Pet as a binary segmentation set, from prepared TFDS data (``tfds.data_source``, array_record).
+
+    TFDS ``oxford_iiit_pet`` splits ``train`` (3,680) and ``test`` (3,669);
+    features ``image`` (uint8 ``[H, W, 3]``, sizes vary) and
+    ``segmentation_mask`` (uint8 ``[H, W, 1]`` trimap). Images are resized to
+    ``S x S`` bilinearly and kept RGB; masks nearest-neighbour, then
+    foreground = pet or border (``trimap != 2``, see :func:`trimap_to_mask`).
+    ``pixels="standardised"`` uses the training subset's per-channel mean/std.
+
+    Args:
+      tfds_name: TFDS name (a builder with the same two features and splits).
+      tfds_data_dir: TFDS data root; None uses TFDS's default.
+      size: side ``S`` (>= 1; the U-Net needs ``S`` divisible by 4, as 64 is).
+      download: let TFDS download and prepare missing data (needs network).
+      pixels: ``"standardised"`` or ``"unit"`` ([0, 1]).
+      max_train, max_test: keep a seeded random subset of at most this many
+        images per split (the same subset as :func:`load_segmentation`'s DRIVE
+        ``_limit``; only those images are decoded); None keeps all.
+      seed: seed of that subset.
+
+    Returns:
+      ``Dataset(name=tfds_name, source="tfds:<tfds_name>")``: ``x_* [n, S, S, 3]`` float32,
+      ``y_* [n, S, S]`` int32 in {0, 1}, ``num_classes = 2``.
+
+    Raises:
+      DataUnavailableError: TFDS is not installed or the data is not prepared (one line naming the fix).
+    """
+    if pixels not in PIXELS:
+        raise ValueError(f"pixels={pixels!r}; choose one of {PIXELS}")
+    if int(size) < 1:
+        raise ValueError(f"{tfds_name}: size={size} must be >= 1, e.g. 64")
+    size = int(size)
+    try:
+        import tensorflow_datasets as tfds
+    except ImportError as err:
+        raise DataUnavailableError(f"{tfds_name}: tensorflow_datasets is not importable ({_short(err)}); fix: "
+                                   f"pip install 'bfedjax[tfds]', then {_tfds_remedy(tfds_name)}") from None
+    for max_n in (max_train, max_test):
+        _subset(1, max_n, seed, 0)  # ValueError for max_n < 1, before any TFDS work
+
+    def failed(err: BaseException) -> DataUnavailableError:
+        where = f"TFDS data_dir={tfds_data_dir!r}" if tfds_data_dir else "TFDS default data_dir"
+        return DataUnavailableError(f"{tfds_name}: TFDS failed ({where}; {_short(err)}); fix: {_tfds_remedy(tfds_name)}")
+
+    try:  # TFDS raises many types (KeyError: `splits` is empty for unprepared data, OSError, ...)
+        sources = tfds.data_source(tfds_name, split=["train", "test"], data_dir=tfds_data_dir, download=download,
+                                   builder_kwargs={"file_format": "array_record"})
+        sizes = [len(ds) for ds in sources]
+    except Exception as err:
+        raise failed(err) from None
+    if min(sizes) == 0:
+        raise failed(ValueError(f"a split is empty (train {sizes[0]}, test {sizes[1]} records)"))
+    keeps = [_subset(n, max_n, seed, index) for index, (n, max_n) in enumerate(zip(sizes, (max_train, max_test)))]
+    try:
+        train, test = (_read_pets(ds, keep, size) for ds, keep in zip(sources, keeps))
+    except Exception as err:  # unreadable records (e.g. a half-copied folder)
+        raise failed(err) from None
+    return _pack(tfds_name, *train, *test, f"tfds:{tfds_name}", pixels)
+
+
+def load_segmentation(name: str, data_dir: str | None = None, *, max_train: int | None = None,
+                      max_test: int | None = None, seed: int = 0, pixels: str = "standardised",
+                      tfds_data_dir: str | None = None, tfds_download: bool = False) -> Dataset:
+    """``bfedjax.data.load`` for ``"vessels"``, ``"drive"`` and ``"oxford_iiit_pet"``.
+
+    ``vessels``: ``max_train``/``max_test`` are the split sizes (default 400/100)
+    and ``seed`` seeds the generator. ``drive``: read from ``data_dir``, then a
+    seeded random subset of at most ``max_train``/``max_test`` images.
+    ``oxford_iiit_pet``: from TFDS (``tfds_data_dir``, ``tfds_download``) at
+    64x64 RGB, the same kind of seeded subset (drawn before decoding).
+    """
+    if name == "vessels":
+        return vessels(400 if max_train is None else max_train, 100 if max_test is None else max_test,
+                       seed=seed, pixels=pixels)
+    if name == "drive":
+        return _limit(load_drive(data_dir, pixels=pixels), max_train, max_test, seed)
+    if name == "oxford_iiit_pet":
+        return load_tfds_segmentation(name, tfds_data_dir, download=tfds_download, pixels=pixels,
+                                      max_train=max_train, max_test=max_test, seed=seed)
+    raise ValueError(f"unknown segmentation set {name!r}; valid: vessels, drive, oxford_iiit_pet")

@@ -1,0 +1,301 @@
+"""Tests for the U-Net (bfedjax.models.unet) and the segmentation sets (bfedjax.data.segmentation)."""
+import functools
+import os
+import time
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+import bfedjax as bf
+from bfedjax.data import DATASETS, DataUnavailableError, load, load_drive, vessels
+from bfedjax.models import UNet, get_model, init_params, num_params
+
+
+def _dice(pred: np.ndarray, truth: np.ndarray) -> float:
+    pred, truth = pred.astype(bool), truth.astype(bool)
+    return 2.0 * float((pred & truth).sum()) / max(float(pred.sum() + truth.sum()), 1.0)
+
+
+# --------------------------------------------------------------------------- U-Net
+# Real initialisation compiles one threefry program per kernel (seconds each on a shared CPU), so the
+# forward-pass tests use random numpy parameters of the right shapes and only one test initialises.
+
+
+def _random_params(model, shape, seed=0):
+    """He-scaled normal kernels and small random biases with the shapes ``model.init`` would give."""
+    abstract = jax.eval_shape(model.init, jax.random.PRNGKey(0), np.zeros((1, *shape), np.float32))["params"]
+    rng = np.random.default_rng(seed)
+
+    def fill(leaf):
+        scale = np.sqrt(2.0 / np.prod(leaf.shape[:-1])) if len(leaf.shape) > 1 else 0.1
+        return (rng.normal(size=leaf.shape) * scale).astype(np.float32)
+
+    return jax.tree_util.tree_map(fill, abstract)
+
+
+@pytest.mark.parametrize("shape", [(32, 32, 1), (64, 64, 3)])
+@pytest.mark.parametrize("out_channels", [1, 2])
+def test_unet_output_shapes(shape, out_channels):
+    model = UNet(out_channels=out_channels)
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, *shape))
+    logits = jax.jit(model.apply)({"params": _random_params(model, shape)}, x)
+    expected = (2, *shape[:2]) if out_channels == 1 else (2, *shape[:2], out_channels)
+    chex.assert_shape(logits, expected)
+    chex.assert_tree_all_finite(logits)
+    assert float(np.abs(np.asarray(logits)).max()) > 0  # not a dead (all-zero) output
+
+
+def _conv(cin, cout, k=3):
+    return k * k * cin * cout + cout
+
+
+@pytest.mark.parametrize("channels,out_channels,features,levels,expected", [
+    # f = 8, 16, 32. Encoder: (1->8, 8->8) 80 + 584, (8->16, 16->16) 1,168 + 2,320, (16->32, 32->32) 4,640 + 9,248;
+    # decoder: (48->16, 16->16) 6,928 + 2,320, (24->8, 8->8) 1,736 + 584; head 1x1 8->1: 9.  Sum 29,617.
+    (1, 1, 8, 3, 29_617),
+    # 3 input channels add 9 * 2 * 8 = 144 weights; 2 outputs add 9 to the head.
+    (3, 2, 8, 3, 29_617 + 144 + 9),
+    # f = 4, 8: (1->4, 4->4) 40 + 148, (4->8, 8->8) 296 + 584; decoder (12->4, 4->4) 436 + 148; head 5.  Sum 1,657.
+    (1, 1, 4, 2, 1_657),
+])
+def test_unet_param_count(channels, out_channels, features, levels, expected):
+    f = [features * 2 ** i for i in range(levels)]
+    formula = (sum(_conv(cin, c) + _conv(c, c) for cin, c in zip([channels] + f[:-1], f))
+               + sum(_conv(c + c2, c) + _conv(c, c) for c, c2 in zip(f[:-1], f[1:]))
+               + _conv(f[0], out_channels, k=1))
+    assert formula == expected
+    model = UNet(features=features, levels=levels, out_channels=out_channels)
+    abstract = jax.eval_shape(functools.partial(init_params, model, (16, 16, channels)), jax.random.PRNGKey(0))
+    assert num_params(abstract) == expected
+
+
+def test_unet_registry_init_and_bad_size():
+    assert get_model("unet", 2).out_channels == 1  # binary: one foreground logit
+    assert get_model("unet", 4).out_channels == 4
+    assert get_model("unet", 2).features == 8 and get_model("unet", 2).levels == 3
+    params = init_params(UNet(features=4, levels=1), (8, 8, 1), jax.random.PRNGKey(0))  # 3 convs: cheap to compile
+    assert sorted(params) == ["Conv_0", "Conv_1", "Conv_2"]
+    head = params["Conv_2"]  # the 1x1 conv: Glorot uniform kernel U(-a, a), a = sqrt(6 / (4 + 1)), zero bias
+    assert head["kernel"].shape == (1, 1, 4, 1)
+    assert 0.3 * np.sqrt(6 / 5) < float(np.abs(head["kernel"]).max()) <= np.sqrt(6 / 5) * (1 + 1e-6)
+    assert all(float(np.abs(leaf["bias"]).max()) == 0.0 for leaf in params.values())
+    with pytest.raises(ValueError, match="divisible by 4"):
+        jax.eval_shape(UNet().init, jax.random.PRNGKey(0), np.zeros((1, 30, 30, 1), np.float32))
+
+
+def test_unet_is_local():
+    """Fully convolutional: a one-pixel change moves the logits near it, not those beyond the receptive field."""
+    model = UNet(features=4, levels=3)
+    params = _random_params(model, (64, 64, 1), seed=3)
+    x = np.asarray(jax.random.normal(jax.random.PRNGKey(4), (1, 64, 64, 1)))
+    bumped = x.copy()
+    bumped[0, 5, 9, 0] += 5.0
+    diff = np.abs(np.asarray(model.apply({"params": params}, bumped) - model.apply({"params": params}, x)))[0]
+    assert diff[5, 9] > 0
+    assert diff[40:, :].max() == 0 and diff[:, 40:].max() == 0
+
+
+# --------------------------------------------------------------------------- procedural vessels
+
+
+@pytest.fixture(scope="module")
+def unit_set():
+    return vessels(200, 50, seed=0, pixels="unit")
+
+
+def test_vessels_shapes_dtypes_and_binary_masks(unit_set):
+    d = unit_set
+    assert (d.name, d.num_classes, d.source) == ("vessels", 2, "procedural:vessels(seed=0)")
+    chex.assert_shape([d.x_train, d.y_train, d.x_test, d.y_test], [(200, 32, 32, 1), (200, 32, 32), (50, 32, 32, 1),
+                                                                  (50, 32, 32)])
+    assert d.x_train.dtype == np.float32 and d.y_train.dtype == np.int32 and d.y_test.dtype == np.int32
+    assert set(np.unique(d.y_train)) == {0, 1} and set(np.unique(d.y_test)) == {0, 1}
+    assert 0.0 <= d.x_train.min() and d.x_train.max() <= 1.0
+
+
+def test_vessels_deterministic_and_seeded():
+    a, b, c = vessels(12, 6, seed=1), vessels(12, 6, seed=1), vessels(12, 6, seed=2)
+    for field in ("x_train", "y_train", "x_test", "y_test"):
+        np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
+        assert not np.array_equal(getattr(a, field), getattr(c, field))
+    # train and test are different images from independent streams: more training images leave the test set alone
+    same_size = vessels(6, 6, seed=1)
+    assert not np.array_equal(same_size.y_train, same_size.y_test)
+    np.testing.assert_array_equal(vessels(30, 6, seed=1, pixels="unit").y_test, a.y_test)
+    np.testing.assert_array_equal(vessels(30, 6, seed=1, pixels="unit").x_test, vessels(12, 6, seed=1,
+                                                                                        pixels="unit").x_test)
+
+
+def test_vessels_are_thin_and_cover_5_to_15_percent(unit_set):
+    y = np.concatenate([unit_set.y_train, unit_set.y_test])
+    frac = y.mean(axis=(1, 2))
+    assert 0.05 <= frac.mean() <= 0.15
+    assert frac.min() > 0.01 and frac.max() < 0.35
+    # 1-2 px lines: hardly any vessel pixel keeps all 8 neighbours inside the mask (a 3x3 erosion)
+    core = np.ones_like(y[:, 1:-1, 1:-1], bool)
+    for dr in (0, 1, 2):
+        for dc in (0, 1, 2):
+            core &= y[:, dr:dr + 30, dc:dc + 30].astype(bool)
+    assert core.sum() < 0.05 * y.sum()
+
+
+def test_vessels_not_solved_by_a_threshold(unit_set):
+    x, y = unit_set.x_train[:100, ..., 0], unit_set.y_train[:100]
+    qs = np.linspace(0.0, 1.0, 101)
+
+    def best(xs, ys):  # best threshold and polarity (vessels darker or brighter)
+        return max(max(_dice(xs < t, ys), _dice(xs > t, ys)) for t in np.quantile(xs, qs))
+
+    assert best(x, y) < 0.6  # one global threshold for the set
+    per_image = [best(xi, yi) for xi, yi in zip(x, y)]  # even an oracle threshold per image
+    assert np.mean(per_image) < 0.8
+
+
+def test_vessels_standardisation(unit_set):
+    std = vessels(200, 50, seed=0)
+    assert abs(float(std.x_train.mean())) < 1e-4 and abs(float(std.x_train.std()) - 1.0) < 1e-4
+    mean, sd = unit_set.x_train.mean(dtype=np.float64), unit_set.x_train.std(dtype=np.float64)
+    np.testing.assert_allclose(std.x_test, (unit_set.x_test - mean) / sd, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(std.y_train, unit_set.y_train)
+
+
+def test_vessels_fast():
+    best = min(_timed(lambda: vessels(400, 100)) for _ in range(2))
+    assert best < 1.0, f"500 images of 32x32 took {best:.2f} s"
+
+
+def _timed(fn):
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def test_load_vessels():
+    assert "vessels" in DATASETS and "drive" in DATASETS
+    d = load("vessels", max_train=30, max_test=10, seed=4)
+    ref = vessels(30, 10, seed=4)
+    np.testing.assert_array_equal(d.x_train, ref.x_train)
+    np.testing.assert_array_equal(d.y_test, ref.y_test)
+    full = bf.data.load("Vessels", pixels="unit")
+    assert (len(full.y_train), len(full.y_test), full.x_train.min() >= 0) == (400, 100, True)
+
+
+# --------------------------------------------------------------------------- DRIVE
+
+
+def test_load_drive_missing_folder_names_data_dir(tmp_path):
+    with pytest.raises(DataUnavailableError, match="--data_dir") as err:
+        load("drive", data_dir=str(tmp_path / "nowhere"))
+    assert "\n" not in str(err.value)
+    with pytest.raises(DataUnavailableError, match="--data_dir"):
+        load_drive(None)
+
+
+def _fake_drive(root, green=(60, 200, 90, 150)):
+    """2 training + 2 test 40x40 RGB .tif images (constant green, noisy red/blue) and .gif masks.
+
+    Mask of image k: a stripe of 255 at columns (k even) or rows (k odd) 10..19, and 100 (not vessel) in [0:2, 0:2].
+    """
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    ids = (("training", "21"), ("training", "22"), ("test", "01"), ("test", "02"))
+    for k, (split, ident) in enumerate(ids):
+        for sub in ("images", "1st_manual"):
+            os.makedirs(root / split / sub, exist_ok=True)
+        rgb = rng.integers(0, 256, size=(40, 40, 3), dtype=np.uint8)
+        rgb[..., 1] = green[k]
+        Image.fromarray(rgb, "RGB").save(root / split / "images" / f"{ident}_{split}.tif")
+        mask = np.zeros((40, 40), np.uint8)
+        mask[(slice(None), slice(10, 20)) if k % 2 == 0 else (slice(10, 20), slice(None))] = 255
+        mask[0:2, 0:2] = 100
+        Image.fromarray(mask, "L").save(root / split / "1st_manual" / f"{ident}_manual1.gif")
+    return root
+
+
+def _stripe(k, size=20):
+    y = np.zeros((size, size), np.int32)
+    y[(slice(None), slice(5, 10)) if k % 2 == 0 else (slice(5, 10), slice(None))] = 1
+    return y
+
+
+def test_load_drive_fake_folder(tmp_path):
+    root = _fake_drive(tmp_path)
+    d = load_drive(str(root), size=20, pixels="unit")
+    chex.assert_shape([d.x_train, d.y_train, d.x_test, d.y_test], [(2, 20, 20, 1), (2, 20, 20), (2, 20, 20, 1),
+                                                                  (2, 20, 20)])
+    assert (d.name, d.num_classes, d.y_train.dtype) == ("drive", 2, np.int32)
+    for k, y in enumerate([*d.y_train, *d.y_test]):  # paired by id, nearest resize, > 127
+        np.testing.assert_array_equal(y, _stripe(k))
+    np.testing.assert_allclose(d.x_train[..., 0].mean(axis=(1, 2)), [60 / 255, 200 / 255], atol=1e-3)  # green
+    np.testing.assert_allclose(d.x_test[..., 0].mean(axis=(1, 2)), [90 / 255, 150 / 255], atol=1e-3)
+    std = load("drive", data_dir=str(root), max_train=1)
+    assert std.x_train.shape == (1, 64, 64, 1) and std.x_test.shape == (2, 64, 64, 1)
+    assert abs(float(load_drive(str(root)).x_train.mean())) < 1e-5
+
+
+def test_load_drive_without_test_annotations(tmp_path):
+    root = _fake_drive(tmp_path)
+    for name in os.listdir(root / "test" / "1st_manual"):
+        os.remove(root / "test" / "1st_manual" / name)
+    with pytest.raises(DataUnavailableError, match="test/1st_manual"):
+        load_drive(str(root))
+    os.rmdir(root / "test" / "1st_manual")
+    with pytest.raises(DataUnavailableError, match="test/1st_manual"):
+        load("drive", data_dir=str(root))
+
+
+# --------------------------------------------------------------------------- Oxford-IIIT Pet (TFDS, mocked)
+
+
+def test_trimap_to_mask_pet_and_border_are_foreground():
+    from bfedjax.data.segmentation import trimap_to_mask
+
+    trimap = np.array([[1, 2, 3], [3, 2, 1]], np.uint8)  # 1 = pet, 2 = background, 3 = border
+    mask = trimap_to_mask(trimap)
+    assert mask.dtype == np.int32
+    np.testing.assert_array_equal(mask, [[1, 0, 1], [1, 0, 1]])
+    assert trimap_to_mask(trimap[..., None]).shape == (2, 3, 1)
+
+
+def test_load_oxford_iiit_pet_mocked(tmp_path):
+    tfds = pytest.importorskip("tensorflow_datasets")
+    from bfedjax.data.segmentation import load_tfds_segmentation
+
+    assert "oxford_iiit_pet" in DATASETS
+    with tfds.testing.mock_data(num_examples=6):  # random image and mask sizes, independent of each other
+        d = load("oxford_iiit_pet", tfds_data_dir=str(tmp_path))
+        small = load_tfds_segmentation(tfds_data_dir=str(tmp_path), size=32, pixels="unit")
+        unit = load("Oxford-IIIT-Pet", tfds_data_dir=str(tmp_path), pixels="unit")
+        sub = load("oxford_iiit_pet", tfds_data_dir=str(tmp_path), pixels="unit", max_train=3, max_test=2, seed=5)
+    chex.assert_shape([d.x_train, d.y_train, d.x_test, d.y_test], [(6, 64, 64, 3), (6, 64, 64), (6, 64, 64, 3),
+                                                                  (6, 64, 64)])
+    assert (d.x_train.dtype, d.x_test.dtype, d.y_train.dtype, d.y_test.dtype) == (np.float32, np.float32, np.int32,
+                                                                                   np.int32)
+    assert (d.name, d.num_classes) == ("oxford_iiit_pet", 2) and "tfds" in d.source
+    for y in (d.y_train, d.y_test):
+        assert set(np.unique(y)) <= {0, 1}
+    np.testing.assert_allclose(d.x_train.mean(axis=(0, 1, 2)), 0.0, atol=1e-4)  # per-channel standardised
+    np.testing.assert_allclose(d.x_train.std(axis=(0, 1, 2)), 1.0, atol=1e-3)
+    chex.assert_shape([small.x_train, small.y_train, small.x_test], [(6, 32, 32, 3), (6, 32, 32), (6, 32, 32, 3)])
+    assert 0.0 <= small.x_train.min() and small.x_train.max() <= 1.0
+    np.testing.assert_array_equal(unit.y_train, d.y_train)
+    # max_train / max_test: the seeded subset DRIVE uses (default_rng([seed, split])), rows of the full load
+    keep_train = np.sort(np.random.default_rng([5, 0]).choice(6, size=3, replace=False))
+    keep_test = np.sort(np.random.default_rng([5, 1]).choice(6, size=2, replace=False))
+    np.testing.assert_array_equal(sub.x_train, unit.x_train[keep_train])
+    np.testing.assert_array_equal(sub.y_test, unit.y_test[keep_test])
+
+
+def test_load_oxford_iiit_pet_unprepared_names_tfds_build(tmp_path):
+    pytest.importorskip("tensorflow_datasets")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DataUnavailableError, match="tfds build") as err:
+        load("oxford_iiit_pet", tfds_data_dir=str(empty))
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("oxford_iiit_pet:") and "--tfds_data_dir" in msg
+    with pytest.raises(ValueError, match="max_train"):
+        load("oxford_iiit_pet", tfds_data_dir=str(empty), max_train=0)

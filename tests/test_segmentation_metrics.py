@@ -1,0 +1,241 @@
+"""bfedjax.metrics.segmentation: hand-made cases, a scipy hd95 reference, the FedRef authors' metrics."""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import ndimage
+
+from bfedjax.metrics import segmentation as S
+
+B = 4  # one batch shape for the logits-based tests, so the jitted functions compile once
+ONES = np.ones(B, np.float32)
+
+
+def _square(h, w, top, left, side):
+    m = np.zeros((h, w), bool)
+    m[top:top + side, left:left + side] = True
+    return m
+
+
+def _blobs(n, h, w, seed):
+    """``n`` random smooth blob masks ``[n, h, w]`` (some touch the image border)."""
+    rng = np.random.default_rng(seed)
+    noise = ndimage.gaussian_filter(rng.normal(size=(n, h, w)), sigma=(0, 3, 3))
+    return noise > np.quantile(noise, 0.6, axis=(1, 2), keepdims=True)
+
+
+def _hd95_reference(pred, target):
+    """medpy's hd95 steps with scipy: 4-connected erosion (border_value=0), EDT to the other border."""
+    cross = ndimage.generate_binary_structure(2, 1)
+    bp = pred ^ ndimage.binary_erosion(pred, structure=cross)
+    bg = target ^ ndimage.binary_erosion(target, structure=cross)
+    d_pg = ndimage.distance_transform_edt(~bg)[bp]
+    d_gp = ndimage.distance_transform_edt(~bp)[bg]
+    return np.percentile(np.concatenate([d_pg, d_gp]), 95)
+
+
+def test_identical_masks_are_perfect():
+    m = _blobs(B, 32, 32, seed=0)
+    chex.assert_trees_all_close(S.dice(m, m), jnp.ones(B))
+    chex.assert_trees_all_close(S.iou(m, m), jnp.ones(B))
+    chex.assert_trees_all_close(S.hausdorff95(m, m), jnp.zeros(B))
+
+
+def test_disjoint_masks_score_zero():
+    p = _square(32, 32, 2, 2, 6)[None]
+    g = _square(32, 32, 20, 20, 6)[None]
+    chex.assert_trees_all_close(S.dice(p, g), jnp.zeros(1))
+    chex.assert_trees_all_close(S.iou(p, g), jnp.zeros(1))
+    # Nearest boundary points: corners (7, 7) and (20, 20): hd95 is at most their worst distance and > 0.
+    assert 13 * np.sqrt(2) <= float(S.hausdorff95(p, g)[0]) <= 18 * np.sqrt(2)
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_translated_square(axis):
+    # P: 10x10 square at rows/cols 5..14; G: the same square shifted by k = 2 pixels.
+    # Boundaries are 36-pixel rings. d(P->G), counted by hand (shift along columns):
+    #   P's left column (10 px): 2 (to G's left column, or corner to G's top/bottom edge end);
+    #   P's top/bottom rows: 2 px at distance 1, 16 px on G's edges (0);
+    #   P's right column rows 1..8 (inside G): min(row offset to G's top/bottom, 2) -> 2 px at 1, 6 px at 2.
+    # So 16 values of 2, 4 of 1, 16 of 0; d(G->P) is the mirror image. Pooled: 72 values, 32 of them 2;
+    # numpy's index 0.95 * 71 = 67.45 lies within the top 32 (indices 40..71), so hd95 = 2 exactly.
+    # Dice: |P∩G| = 10 * 8 = 80, |P| + |G| = 200 -> 0.8; IoU = 80 / 120 = 2/3;
+    # pixel accuracy = 1 - (200 - 160) / 1024.
+    p = _square(32, 32, 5, 5, 10)
+    g = np.roll(p, 2, axis=axis)
+    p, g = p[None], g[None]
+    chex.assert_trees_all_close(S.hausdorff95(p, g), jnp.array([2.0]), atol=1e-6)
+    chex.assert_trees_all_close(S.hausdorff95(g, p), jnp.array([2.0]), atol=1e-6)
+    chex.assert_trees_all_close(S.dice(p, g), jnp.array([0.8]), atol=1e-6)
+    chex.assert_trees_all_close(S.iou(p, g), jnp.array([2 / 3]), atol=1e-6)
+    chex.assert_trees_all_close(S.pixel_accuracy(p, g), jnp.array([1 - 40 / 1024]), atol=1e-6)
+    np.testing.assert_allclose(_hd95_reference(p[0], g[0]), 2.0)  # the reference agrees with the hand count
+
+
+def test_empty_mask_conventions():
+    h, w = 32, 48
+    empty = np.zeros((1, h, w), bool)
+    full = _square(h, w, 3, 4, 5)[None]
+    chex.assert_trees_all_close(S.dice(empty, empty), jnp.ones(1))
+    chex.assert_trees_all_close(S.iou(empty, empty), jnp.ones(1))
+    chex.assert_trees_all_close(S.hausdorff95(empty, empty), jnp.zeros(1))
+    for a, b in [(empty, full), (full, empty)]:
+        chex.assert_trees_all_close(S.dice(a, b), jnp.zeros(1))
+        chex.assert_trees_all_close(S.iou(a, b), jnp.zeros(1))
+        chex.assert_trees_all_close(S.hausdorff95(a, b), jnp.array([np.hypot(h, w)]), rtol=1e-6)
+
+
+def test_boundary_treats_outside_as_background():
+    m = _blobs(1, 24, 24, seed=3)[0]
+    m[:, :3] = True  # certainly touches the border
+    cross = ndimage.generate_binary_structure(2, 1)
+    expected = m & ~ndimage.binary_erosion(m, structure=cross, border_value=0)
+    np.testing.assert_array_equal(S.boundary(m), expected)
+    full = np.ones((6, 7), bool)
+    ring = full.copy()
+    ring[1:-1, 1:-1] = False
+    np.testing.assert_array_equal(S.boundary(full), ring)
+
+
+@pytest.mark.parametrize("shape,seed", [((32, 32), 1), ((40, 56), 2)])
+def test_hd95_matches_scipy_reference(shape, seed):
+    p = _blobs(4, *shape, seed=seed)
+    g = _blobs(4, *shape, seed=seed + 100)
+    g[0] = ndimage.binary_dilation(p[0], iterations=2)  # one near-identical pair
+    got = jax.jit(S.hausdorff95)(p, g)
+    expected = np.array([_hd95_reference(a, b) for a, b in zip(p, g)])
+    assert len(set(np.round(expected, 3))) > 1  # distinct, non-trivial values
+    np.testing.assert_allclose(got, expected, atol=1e-4)
+
+
+def _authors_dice_iou_numpy(logits, masks):
+    """smp multiclass DiceLoss / JaccardLoss (smooth 1e-5, eps 1e-7) on softmax(sigmoid([0, z])), as 1 - loss."""
+    z = np.asarray(logits, np.float64)
+    s = 1.0 / (1.0 + np.exp(-np.stack([np.zeros_like(z), z], axis=1)))  # their sigmoid, [B, 2, H, W]
+    e = np.exp(s)
+    probs = e / e.sum(axis=1, keepdims=True)  # smp's softmax (from_logits=True)
+    losses_d, losses_j = [], []
+    for c in range(2):
+        t = (masks == c).astype(np.float64)
+        p = probs[:, c]
+        inter, card = (p * t).sum(), (p + t).sum()
+        d = (2 * inter + 1e-5) / max(card + 1e-5, 1e-7)
+        j = (inter + 1e-5) / max(card - inter + 1e-5, 1e-7)
+        present = float(t.sum() > 0)
+        losses_d.append((1 - d) * present)
+        losses_j.append((1 - j) * present)
+    return 1 - np.mean(losses_d), 1 - np.mean(losses_j)
+
+
+def test_authors_soft_dice_iou_match_numpy_reference():
+    rng = np.random.default_rng(4)
+    logits = rng.normal(scale=3.0, size=(B, 16, 16)).astype(np.float32)
+    masks = _blobs(B, 16, 16, seed=5).astype(np.int32)
+    d_ref, j_ref = _authors_dice_iou_numpy(logits, masks)
+    np.testing.assert_allclose(S.authors_soft_dice(logits, masks, ONES), d_ref, rtol=1e-5)
+    np.testing.assert_allclose(S.authors_soft_iou(logits, masks, ONES), j_ref, rtol=1e-5)
+    np.testing.assert_allclose(S.authors_soft_dice(logits, masks), d_ref, rtol=1e-5)  # weights=None
+    # An all-background batch: the foreground class is absent, so its loss counts as 0.
+    zeros = np.zeros_like(masks)
+    d0, j0 = _authors_dice_iou_numpy(logits, zeros)
+    np.testing.assert_allclose(S.authors_soft_dice(logits, zeros, ONES), d0, rtol=1e-5)
+    np.testing.assert_allclose(S.authors_soft_iou(logits, zeros, ONES), j0, rtol=1e-5)
+    assert d0 > d_ref  # the absent class's free "perfect" score
+
+
+def test_authors_dice_of_perfect_prediction_is_squashed():
+    # Hard-perfect logits (+-20): the true class gets probability a = sigmoid(sigmoid(20) - 0.5) ~ sigmoid(0.5)
+    # = 0.6225 at every pixel. Per class, dice_c = 2 a n_c / (a n_c + (1 - a) n_other + n_c) <= 2a / (1 + a)
+    # ~ 0.767, and with n_0 = n_1 it is exactly a.
+    a = 1.0 / (1.0 + np.exp(-(1.0 / (1.0 + np.exp(-20.0)) - 0.5)))
+    masks = np.zeros((B, 16, 16), np.int32)
+    masks[:, :, :8] = 1  # equal class counts
+    logits = np.where(masks == 1, 20.0, -20.0).astype(np.float32)
+    np.testing.assert_allclose(S.authors_soft_dice(logits, masks, ONES), a, rtol=1e-5)
+    blob = _blobs(B, 16, 16, seed=6).astype(np.int32)
+    d = float(S.authors_soft_dice(np.where(blob == 1, 20.0, -20.0).astype(np.float32), blob, ONES))
+    assert d <= 2 * a / (1 + a) + 1e-6
+    assert float(S.dice(blob, blob).mean()) == 1.0
+
+
+def test_authors_hd95_by_hand():
+    # Image 0, row 0: mask [1, 0], logits [0, log 3] -> sigmoid [0.5, 0.75].
+    #   channel 1: pred [0.5, 0.75] - label [1, 0] + eps -> sqrt((-0.5 + eps)^2 + (0.75 + eps)^2) ~ 0.901 (the max);
+    #   channel 0: pred [0.5, 0.5] - label [0, 1] + eps -> ~0.707. Row 1: mask [0, 0], logits 0 -> ~0.707.
+    # Image 1: all logits 0, mask all 1: channel 0 pred 0.5 - label 0 -> sqrt(2) * (0.5 + eps).
+    eps = 1e-6
+    logits = np.array([[[0.0, np.log(3.0)], [0.0, 0.0]], [[0.0, 0.0], [0.0, 0.0]]], np.float32)
+    masks = np.array([[[1, 0], [0, 0]], [[1, 1], [1, 1]]])
+    expected = [np.hypot(-0.5 + eps, 0.75 + eps), np.sqrt(2) * (0.5 + eps)]
+    np.testing.assert_allclose(S.authors_hd95(logits, masks), expected, rtol=1e-6)
+
+
+def _bce_dice_numpy(logits, masks):
+    x, t = np.asarray(logits, np.float64), np.asarray(masks, np.float64)
+    bce = np.maximum(x, 0) - x * t + np.log1p(np.exp(-np.abs(x)))
+    p = 1 / (1 + np.exp(-x))
+    soft = 1 - (2 * (p * t).sum((1, 2)) + 1) / (p.sum((1, 2)) + t.sum((1, 2)) + 1)
+    return bce.mean((1, 2)) + soft  # per image
+
+
+def test_bce_dice_loss_value_and_descent():
+    rng = np.random.default_rng(7)
+    logits = jnp.asarray(rng.normal(size=(B, 16, 16)), jnp.float32)
+    masks = _blobs(B, 16, 16, seed=8).astype(np.int32)
+    np.testing.assert_allclose(S.bce_dice_loss(logits, masks, ONES), _bce_dice_numpy(logits, masks).mean(),
+                               rtol=1e-5)
+    loss_fn = jax.jit(lambda l: S.bce_dice_loss(l, masks, ONES))
+    g = jax.grad(loss_fn)(logits)
+    assert np.all(np.isfinite(g)) and float(jnp.abs(g).max()) > 0
+    assert float(loss_fn(logits - 1.0 * g)) < float(loss_fn(logits))
+    # The soft Dice part alone is differentiable too, and descends as well.
+    gd = jax.grad(lambda l: S.soft_dice_loss(l, masks, ONES))(logits)
+    assert float(S.soft_dice_loss(logits - 10.0 * gd, masks, ONES)) < float(S.soft_dice_loss(logits, masks, ONES))
+
+
+def test_zero_weight_removes_padding_image():
+    # Three real images plus one garbage padding row (weight 0): every batch-level value equals that of the
+    # three real images alone (numpy references), and differs when the padding row is counted.
+    rng = np.random.default_rng(9)
+    logits = rng.normal(scale=2.0, size=(B, 16, 16)).astype(np.float32)
+    masks = _blobs(B, 16, 16, seed=10).astype(np.int32)
+    logits[-1], masks[-1] = 5.0, 0
+    w = np.array([1.0, 1.0, 1.0, 0.0], np.float32)
+    x, t = logits[:3], masks[:3]
+    p = 1 / (1 + np.exp(-x.astype(np.float64)))
+    soft = np.mean(1 - (2 * (p * t).sum((1, 2)) + 1) / (p.sum((1, 2)) + t.sum((1, 2)) + 1))
+    cases = [(S.soft_dice_loss, soft), (S.bce_dice_loss, _bce_dice_numpy(x, t).mean()),
+             (S.authors_soft_dice, _authors_dice_iou_numpy(x, t)[0]),
+             (S.authors_soft_iou, _authors_dice_iou_numpy(x, t)[1])]
+    for fn, expected in cases:
+        np.testing.assert_allclose(fn(logits, masks, w), expected, rtol=1e-5)
+        assert abs(float(fn(logits, masks, ONES)) - expected) > 1e-3  # the padding row does matter
+    np.testing.assert_allclose(S.soft_dice_loss(logits, masks, np.zeros(B, np.float32)), 0.0)  # no real image
+
+
+def test_evaluate_batch_streams_to_whole_set_means():
+    rng = np.random.default_rng(11)
+    logits = (rng.normal(size=(5, 16, 16)) + 4 * (_blobs(5, 16, 16, seed=12) - 0.5)).astype(np.float32)
+    masks = _blobs(5, 16, 16, seed=13).astype(np.int32)
+    # Two batches of 4, the second padded with three garbage images of weight 0.
+    lb = np.concatenate([logits, np.ones((3, 16, 16), np.float32)]).reshape(2, B, 16, 16)
+    mb = np.concatenate([masks, np.ones((3, 16, 16), np.int32)]).reshape(2, B, 16, 16)
+    wb = np.array([[1, 1, 1, 1], [1, 0, 0, 0]], np.float32)
+    sums = jax.tree.map(jnp.add, S.evaluate_batch(lb[0], mb[0], wb[0]), S.evaluate_batch(lb[1], mb[1], wb[1]))
+    out = S.summarize(sums)
+    pred = logits > 0
+    expected = {
+        "dice": S.dice(pred, masks).mean(), "iou": S.iou(pred, masks).mean(),
+        "hd95": np.mean([_hd95_reference(p, m.astype(bool)) for p, m in zip(pred, masks)]),
+        "pixel_accuracy": (pred == masks.astype(bool)).mean(),
+        "loss": _bce_dice_numpy(logits, masks).mean(),
+        "authors_hd95": S.authors_hd95(logits, masks).mean(),
+        "authors_dice": _authors_dice_iou_numpy(logits, masks)[0],
+        "authors_iou": _authors_dice_iou_numpy(logits, masks)[1],
+        "count": 5.0,
+    }
+    assert set(out) == set(expected)
+    for k, v in expected.items():
+        np.testing.assert_allclose(out[k], v, rtol=1e-5, atol=1e-5, err_msg=k)
+    assert 0.0 < float(out["dice"]) < 1.0
