@@ -4,6 +4,7 @@ from setuptools import find_packages, setup
 CHECKPOINT = ["orbax-checkpoint>=0.5"]
 DP = ["dp-accounting>=0.4"]
 PLOTS = ["matplotlib>=3.7"]
+FETS = ["nibabel>=5"]  # reads the FeTS NIfTI volumes (bfedjax.data.load_fets)
 TFDS = ["tensorflow-datasets>=4.9.6", "array_record>=0.5"]
 
 setup(
@@ -31,9 +32,10 @@ setup(
         "dp": DP,  # DP-SGD's privacy accountant (bfedjax.privacy.dp_epsilon)
         "plots": PLOTS,  # figures (bfedjax.privacy.save_reconstruction_png)
         "tfds": TFDS,
+        "fets": FETS,
         "experiments": CHECKPOINT + DP + PLOTS,  # what the binaries in experiments/ use
         # The PyTorch loop of experiments/bench.py. Pinned: an open range pulls a multi-GB CUDA build.
         "bench": ["torch==2.13.0"],
-        "dev": CHECKPOINT + DP + PLOTS + TFDS + ["pytest>=7", "pytest-xdist>=3", "mlxtend>=0.23"],
+        "dev": CHECKPOINT + DP + PLOTS + TFDS + FETS + ["pytest>=7", "pytest-xdist>=3", "mlxtend>=0.23"],
     },
 )

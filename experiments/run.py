@@ -44,8 +44,9 @@ flags.DEFINE_string("tfds_data_dir", None, "TFDS data_dir with prepared data set
 flags.DEFINE_integer("max_train", None, "Subsample the training set to this many samples.")
 flags.DEFINE_integer("max_test", None, "Subsample the test set to this many samples.")
 flags.DEFINE_bool("fallback_to_digits", False, "If the data set cannot be had, print a notice and use digits.")
-flags.DEFINE_enum("partition", "dirichlet_per_class", list(bf.data.PARTITIONERS),
-                  "How the training set is split over clients.")
+flags.DEFINE_enum("partition", "dirichlet_per_class", list(bf.data.PARTITIONERS) + ["institutions"],
+                  "How the training set is split over clients (institutions: one client per institution of a data "
+                  "set that records them, --dataset=fets).")
 flags.DEFINE_float("alpha", 0.5, "Dirichlet concentration.")
 flags.DEFINE_list("round_fractions", None, "Each round every client trains on the first f * n_k of its samples, f "
                   "drawn from these (default with --partition=nested: 0.5,0.6,0.7,0.8,0.9, FedRef's protocol).")
@@ -210,13 +211,28 @@ def split_server_data(dataset, fraction: float, seed: int):
 def make_federation(dataset):
     """The federated data: --partition, plus per-client test splits with --client_test_splits."""
     if not FLAGS.client_test_splits:
-        return bf.data.from_partition(dataset, make_partition(dataset.y_train))
+        parts = institution_parts(dataset) if FLAGS.partition == "institutions" else make_partition(dataset.y_train)
+        return bf.data.from_partition(dataset, parts)
     if FLAGS.partition != "dirichlet_per_class":
         raise app.UsageError(f"--client_test_splits splits the test set with the training split's Dirichlet "
                              f"proportions; fix: --partition=dirichlet_per_class (not {FLAGS.partition})")
     train, test = bf.data.dirichlet_train_test(dataset.y_train, dataset.y_test, FLAGS.num_clients, alpha=FLAGS.alpha,
                                                seed=FLAGS.seed)
     return bf.data.from_partition(dataset, train, test_parts=test)
+
+
+def institution_parts(dataset):
+    """--partition=institutions: client k holds the training rows of the data set's institution k."""
+    if dataset.client_ids is None:
+        raise app.UsageError("--partition=institutions needs a data set with institutions (--dataset=fets)")
+    if len(dataset.client_ids) != len(dataset.y_train):  # e.g. rows taken away by --pretrain_disjoint
+        raise app.UsageError(f"--partition=institutions: {dataset.name}'s institutions no longer match its "
+                             "training rows; fix: drop --pretrain_disjoint")
+    parts = bf.data.institution_parts(dataset.client_ids)
+    if len(parts) != FLAGS.num_clients:
+        raise app.UsageError(f"--partition=institutions: {dataset.name} has {len(parts)} institutions, not "
+                             f"--num_clients={FLAGS.num_clients}; fix: --num_clients={len(parts)}")
+    return parts
 
 
 def architecture_setting(dataset, model):

@@ -1,6 +1,7 @@
 """Tests for the U-Net (bfedjax.models.unet) and the segmentation sets (bfedjax.data.segmentation)."""
 import functools
 import os
+import sys
 import time
 
 import chex
@@ -299,3 +300,183 @@ def test_load_oxford_iiit_pet_unprepared_names_tfds_build(tmp_path):
     assert "\n" not in msg and msg.startswith("oxford_iiit_pet:") and "--tfds_data_dir" in msg
     with pytest.raises(ValueError, match="max_train"):
         load("oxford_iiit_pet", tfds_data_dir=str(empty), max_train=0)
+
+
+# --------------------------------------------------------------------------- FeTS (fake NIfTI folder)
+
+# Subjects of the fake FeTS folder: id -> (partition, brain level). The level identifies a subject in the loaded
+# slices: FLAIR is 0 outside the brain square, `level` inside, 200 in the tumour (so the 99th percentile is 200).
+_FETS_SUBJECTS = {"FeTS_001": (1, 20), "FeTS_002": (1, 30), "FeTS_003": (1, 40),
+                  "FeTS_004": (2, 50), "FeTS_005": (2, 60), "FeTS_006": (2, 70), "FeTS_007": (3, 80)}
+_FETS_RADII = (0, 0, 0, 3, 5, 7, 6, 4, 0, 0, 0, 0)  # tumour disc radius per axial slice: largest areas at z = 5, 6
+
+
+def _fets_volumes(level):
+    """(FLAIR, seg) of shape (32, 32, 12): a brain square [2:30, 2:30] and a tumour disc (labels 1, 2, 4) per slice."""
+    rows, cols = np.mgrid[:32, :32]
+    flair, seg = np.zeros((32, 32, 12), np.float32), np.zeros((32, 32, 12), np.uint8)
+    flair[2:30, 2:30] = level
+    for z, r in enumerate(_FETS_RADII):
+        disc = ((rows - 16) ** 2 + (cols - 16) ** 2 <= r ** 2) & (r > 0)
+        seg[disc, z] = 2
+        seg[disc & (rows < 16), z] = 4
+        seg[disc & (rows < 16) & (cols < 16), z] = 1
+        flair[disc, z] = 200
+    return flair, seg
+
+
+def _fake_fets(root, subjects=None, extra=None):
+    """Writes ``subjects`` (id -> (partition, level); default ``_FETS_SUBJECTS``) and a shuffled
+    ``partitioning_1.csv`` listing them and ``extra`` (id -> partition: listed, not on disk)."""
+    nib = pytest.importorskip("nibabel")
+    subjects = _FETS_SUBJECTS if subjects is None else subjects
+    extra = {"FeTS_099": 1} if extra is None else extra
+    for subject, (_, level) in subjects.items():
+        os.makedirs(root / subject)
+        for modality, volume in zip(("flair", "seg"), _fets_volumes(level)):
+            nib.save(nib.Nifti1Image(volume, np.eye(4)), str(root / subject / f"{subject}_{modality}.nii.gz"))
+    partition = {**{s: p for s, (p, _) in subjects.items()}, **extra}
+    listed = list(np.random.default_rng(0).permutation(sorted(partition)))
+    (root / "partitioning_1.csv").write_text("Partition_ID,Subject_ID\n"
+                                             + "".join(f"{partition[s]},{s}\n" for s in listed))
+    return root
+
+
+@pytest.fixture(scope="module")
+def fets_root(tmp_path_factory):
+    return _fake_fets(tmp_path_factory.mktemp("fets"))
+
+
+def _levels(x):
+    """Brain level of each row of unit-scaled FLAIR ``[n, 16, 16, 1]`` (a brain pixel away from the tumour)."""
+    return np.rint(x[:, 8, 2, 0] * 200).astype(int)
+
+
+def test_fets_slice_choice_rule():
+    from bfedjax.data.segmentation import _fets_slices
+
+    area = np.array([0, 3, 9, 0, 1, 9, 0, 0, 2, 0, 0, 0])
+    np.testing.assert_array_equal(_fets_slices(area, 3), [1, 2, 5])  # largest areas
+    # a tie of areas goes to the slice nearer the middle (depth 6: centre 2.5), then the lower index
+    np.testing.assert_array_equal(_fets_slices(np.array([0, 4, 4, 0, 4, 0]), 2), [1, 2])
+    # too few tumour slices: the rest are empty slices near evenly spaced points of the central half (3 .. 8)
+    np.testing.assert_array_equal(_fets_slices(np.zeros(12), 2), [3, 8])
+    np.testing.assert_array_equal(_fets_slices(np.array([0, 0, 0, 5, 0, 0, 0, 0, 0, 0, 0, 0]), 3), [3, 4, 8])
+    assert len(set(_fets_slices(np.zeros(12), 12))) == 12
+
+
+def test_load_fets_fake_folder(fets_root):
+    from PIL import Image
+
+    d = bf.data.load_fets(str(fets_root), size=16, slices_per_subject=2, test_fraction=0.34, num_partitions=2,
+                          pixels="unit")
+    # 2 partitions x 3 subjects (FeTS_099 is missing, FeTS_007 is partition 3): 1 test subject each -> 4 + 2 subjects
+    chex.assert_shape([d.x_train, d.y_train, d.x_test, d.y_test, d.client_ids], [(8, 16, 16, 1), (8, 16, 16),
+                                                                                (4, 16, 16, 1), (4, 16, 16), (8,)])
+    assert (d.name, d.num_classes, d.source) == ("fets", 2, f"fets:{fets_root}")
+    assert (d.x_train.dtype, d.y_train.dtype, d.client_ids.dtype) == (np.float32, np.int32, np.int32)
+    assert 0.0 <= d.x_train.min() and d.x_train.max() <= 1.0  # FLAIR / its 99th percentile, clipped
+    for y in (d.y_train, d.y_test):
+        assert set(np.unique(y)) == {0, 1}  # whole tumour: labels 1, 2 and 4 all count
+    # each subject's 2 slices are those of the largest tumour area, z = 6 then z = 5 (ascending: 5, 6)
+    _, seg = _fets_volumes(20)
+    expected = [np.asarray(Image.fromarray((seg[:, :, z] > 0).astype(np.uint8)).resize((16, 16), Image.NEAREST))
+                for z in (5, 6)]
+    for y in (d.y_train, d.y_test):
+        assert (y.sum(axis=(1, 2)) > 0).all()
+        for pair in y.reshape(-1, 2, 16, 16):
+            np.testing.assert_array_equal(pair, expected)
+    # rows are whole subjects, the test subjects are not training subjects, partition 3 and FeTS_099 are absent
+    train, test = _levels(d.x_train), _levels(d.x_test)
+    assert set(train) | set(test) == {20, 30, 40, 50, 60, 70} and not set(train) & set(test)
+    assert all(np.sum(train == v) == 2 for v in set(train)) and all(np.sum(test == v) == 2 for v in set(test))
+    assert len(set(train) & {20, 30, 40}) == 2 and len(set(test) & {50, 60, 70}) == 1  # 2 train + 1 test each
+    # client_ids: the institution (partition - 1) of each row, both institutions present
+    np.testing.assert_array_equal(d.client_ids, np.where(train <= 40, 0, 1))
+    assert set(d.client_ids) == {0, 1}
+
+
+def test_load_fets_is_seeded_and_standardises(fets_root):
+    kw = dict(size=16, slices_per_subject=2, test_fraction=0.34, num_partitions=2, pixels="unit")
+    a, b = (bf.data.load_fets(str(fets_root), seed=1, **kw) for _ in range(2))
+    for field in ("x_train", "y_train", "x_test", "y_test", "client_ids"):
+        np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
+    splits = {tuple(sorted(set(_levels(bf.data.load_fets(str(fets_root), seed=s, **kw).x_test)))) for s in range(6)}
+    assert len(splits) > 1  # the seed picks the held-out subjects
+    std = bf.data.load_fets(str(fets_root), seed=1, **{**kw, "pixels": "standardised"})
+    assert abs(float(std.x_train.mean())) < 1e-5 and abs(float(std.x_train.std()) - 1.0) < 1e-4
+    mean, sd = a.x_train.mean(dtype=np.float64), a.x_train.std(dtype=np.float64)
+    np.testing.assert_allclose(std.x_test, (a.x_test - mean) / sd, rtol=1e-5, atol=1e-5)
+    # one test subject per partition at test_fraction 0.2 of 3 (rounded half up: 0.6 -> 1), none at 0.1 -> error
+    assert len(bf.data.load_fets(str(fets_root), **{**kw, "test_fraction": 0.2}).y_test) == 4
+    with pytest.raises(ValueError, match="test_fraction"):
+        bf.data.load_fets(str(fets_root), **{**kw, "test_fraction": 0.1})
+
+
+def test_load_fets_through_load_keeps_client_ids_aligned(tmp_path):
+    assert "fets" in DATASETS
+    # load() reads partitions 1..10 at 64x64, 8 slices per subject: 3 subjects in each partition
+    root = _fake_fets(tmp_path, {f"S{p:02d}_{i}": (p, 5 * (3 * p + i)) for p in range(1, 11) for i in range(3)}, {})
+    full = load("fets", data_dir=str(root), pixels="unit")
+    chex.assert_shape([full.x_train, full.y_test, full.client_ids], [(160, 64, 64, 1), (80, 64, 64), (160,)])
+    np.testing.assert_array_equal(full.client_ids, np.repeat(np.arange(10), 16))  # ordered by partition
+    levels = np.rint(full.x_train[:, 32, 12, 0] * 200).astype(int)
+    np.testing.assert_array_equal(full.client_ids, levels // 15 - 1)  # each row's subject is of its partition
+    # 5 slices hold tumour (z = 3..7), 3 empty ones fill up each subject's 8
+    np.testing.assert_array_equal((full.y_train.sum(axis=(1, 2)) > 0).reshape(-1, 8).sum(axis=1), 5)
+    sub = load("fets", data_dir=str(root), pixels="unit", max_train=5, seed=3)
+    keep = np.sort(np.random.default_rng([3, 0]).choice(160, size=5, replace=False))
+    np.testing.assert_array_equal(sub.x_train, full.x_train[keep])
+    np.testing.assert_array_equal(sub.client_ids, full.client_ids[keep])
+    np.testing.assert_array_equal(sub.y_test, full.y_test)
+    parts = bf.data.institution_parts(full.client_ids)
+    assert len(parts) == 10 and all(set(full.client_ids[rows]) == {c} for c, rows in enumerate(parts))
+    np.testing.assert_array_equal(np.sort(np.concatenate(parts)), np.arange(160))
+
+
+def test_institution_parts():
+    parts = bf.data.institution_parts(np.array([1, 0, 1, 3], np.int32))
+    assert [p.tolist() for p in parts] == [[1], [0, 2], [], [3]]
+    for bad in (np.array([0, -1]), np.zeros((2, 2), int), np.array([], int), np.array([0.0, 1.0])):
+        with pytest.raises(ValueError, match="institution_parts"):
+            bf.data.institution_parts(bad)
+
+
+def test_load_fets_missing_data_names_the_fix(tmp_path, monkeypatch):
+    for call in (lambda: load("fets", data_dir=str(tmp_path / "nowhere")), lambda: bf.data.load_fets(None),
+                 lambda: load("fets", data_dir=str(tmp_path))):  # the last: a folder without partitioning_1.csv
+        with pytest.raises(DataUnavailableError, match="--data_dir") as err:
+            call()
+        assert "\n" not in str(err.value) and str(err.value).startswith("fets: ")
+    assert "partitioning_1.csv" in str(err.value)
+    root = _fake_fets(tmp_path / "fets")
+    kw = dict(size=16, slices_per_subject=2, num_partitions=2)
+    with pytest.raises(DataUnavailableError, match=r"partition\(s\) \[4\]"):  # 3 has FeTS_007, 4 has no subject
+        bf.data.load_fets(str(root), **{**kw, "num_partitions": 4})
+    os.remove(root / "FeTS_002" / "FeTS_002_seg.nii.gz")
+    with pytest.raises(DataUnavailableError, match="FeTS_002_seg.nii.gz is missing"):
+        bf.data.load_fets(str(root), **kw)
+    monkeypatch.setitem(sys.modules, "nibabel", None)  # import nibabel -> ImportError
+    with pytest.raises(DataUnavailableError, match=r"fix: pip install 'bfedjax\[fets\]'"):
+        bf.data.load_fets(str(root), **kw)
+
+
+def test_fets_flagfile_and_the_institutions_partition(fets_root):
+    from absl import app
+
+    from experiments.run import FLAGS, institution_parts
+    d = bf.data.load_fets(str(fets_root), size=16, slices_per_subject=2, test_fraction=0.34, num_partitions=2)
+    path = os.path.join(os.path.dirname(__file__), "..", "experiments", "configs", "fedref", "fets.flags")
+    try:
+        FLAGS(["run", f"--flagfile={path}"])
+        assert (FLAGS.dataset, FLAGS.partition, FLAGS.num_clients, FLAGS.algorithm) == ("fets", "institutions", 10,
+                                                                                         "fedref")
+        with pytest.raises(app.UsageError, match="fix: --num_clients=2"):
+            institution_parts(d)
+        FLAGS.num_clients = 2
+        parts = institution_parts(d)
+        assert [p.tolist() for p in parts] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        with pytest.raises(app.UsageError, match=r"needs a data set with institutions \(--dataset=fets\)"):
+            institution_parts(vessels(4, 2, size=16))
+    finally:
+        FLAGS.unparse_flags()

