@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from bfedjax.algorithms.fedavg import fedavg
 from bfedjax.core.types import Algorithm, Batch
@@ -164,8 +165,8 @@ def with_reference_model(algorithm: Algorithm, *, loss_fn, variant: str = "code"
         if reference == "broadcast":  # the buffer holds what was broadcast
             ring = push(state["ring"], state["pushed"], theta)
             ref = mean_of(ring, filled)
-        step_size = _norm(jax.tree.map(jnp.subtract, agg, state["prev_agg"]))
-        change = _norm(jax.tree.map(jnp.subtract, theta, agg))
+        step_size = optax.tree.norm(jax.tree.map(jnp.subtract, agg, state["prev_agg"]))
+        change = optax.tree.norm(jax.tree.map(jnp.subtract, theta, agg))
         metrics = {**metrics, **extra, "fedref_correction": jnp.where(step_size > 0, change / step_size, 0.0)}
         fedref = {"ring": ring, "pushed": pushed, "prev_agg": agg, "prev_ref": ref, "prev_loss": loss_sum}
         return {**new, "params": theta, STATE_KEY: fedref}, metrics
@@ -191,10 +192,6 @@ def with_reference_model(algorithm: Algorithm, *, loss_fn, variant: str = "code"
     # FedRef reads the messages (the clients' losses), so it replaces the aggregation whole (not streamed).
     return algorithm.replace(name="fedref", server_init=server_init, server_update=server_update,
                              client_stats=None, server_from_stats=None, client_final=client_final, hparams=hparams)
-
-
-def _norm(tree) -> jax.Array:
-    return jnp.sqrt(sum(jnp.sum(jnp.square(leaf)) for leaf in jax.tree.leaves(tree)))
 
 
 def fedref(model, *, variant: str = "code", lam: float = 0.01, p: int = 5, server_lr: float | None = None,
