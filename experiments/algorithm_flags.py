@@ -24,6 +24,7 @@ from bfedjax.algorithms.fedref import LOSS_REPORTS, LOSS_TERMS, REFERENCES
 from bfedjax.algorithms.fedref import VARIANTS as FEDREF_VARIANTS
 from bfedjax.algorithms.fedprox import SCALINGS
 from bfedjax.algorithms.fedreg import CLAMPS, GRANULARITIES
+from bfedjax.algorithms.abavg import ACCURACY_SOURCES
 from bfedjax.algorithms.abavg import WEIGHTINGS as ABAVG_WEIGHTINGS
 from bfedjax.algorithms.fml import WEIGHTINGS as FML_WEIGHTINGS
 from bfedjax.algorithms.hbfl import NLL_FORMS, SIGMA_MODES, TEACHERS
@@ -106,6 +107,7 @@ OPTION_FLAGS = {
     "reinit_local": ("reinit_local", ("hbfl", "fml")),
     "fml_weighting": ("weighting", ("fml",)),
     "abavg_weighting": ("weighting", ("abavg",)),
+    "abavg_accuracy_source": ("accuracy_source", ("abavg",)),
 }
 MUST_APPLY = ("dp_clip", "dp_noise")  # a privacy guarantee is never dropped silently
 RENAMED = {("lam", "fedprox"): "--mu"}  # FedProx's coefficient was --lam before engine API v1
@@ -227,6 +229,9 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     boolean("reinit_local", "hbfl, fml: a fresh local model every round (default: persisted).")
     enum("fml_weighting", FML_WEIGHTINGS, "fml: meme average (default equal, as FML).")
     enum("abavg_weighting", ABAVG_WEIGHTINGS, "abavg: accuracy (default) or accuracy_by_size.")
+    enum("abavg_accuracy_source", ACCURACY_SOURCES, "abavg: server_validation (default: the server scores each "
+         "model on --validation_fraction of the training set) or client_test (each client reports its accuracy on "
+         "its own test split; needs --client_test_splits).")
 
     for name in ("local_epochs", "batch_size"):
         flags.register_validator(name, lambda v: v is not None and v >= 1, message=f"--{name} must be >= 1",

@@ -63,6 +63,8 @@ flags.DEFINE_integer("shuffle_architectures", None, "Permute the --client_archit
                      "(default: in order, clients 0-1 first architecture, ...).")
 flags.DEFINE_float("straggler_fraction", 0.0, "Each round this fraction of clients trains x ~ U{1..E} epochs "
                    "(the same draw for every algorithm at a --seed).")
+flags.DEFINE_enum("straggler_weighting", "unchanged", ["unchanged", "by_epochs"], "unchanged: a straggler keeps "
+                  "its aggregation weight (HBFL spec Decision 14); by_epochs: q_k proportional to n_k x / E.")
 flags.DEFINE_bool("client_test_splits", False, "Give each client a test split with its training split's Dirichlet "
                   "proportions (--partition=dirichlet_per_class) and report client_test_accuracy (HBFL's per-client "
                   "accuracy).")
@@ -333,7 +335,10 @@ def main(argv):
             keep = np.setdiff1d(np.arange(len(dataset.y_train)), held_out)
             dataset = dataclasses.replace(dataset, x_train=dataset.x_train[keep], y_train=dataset.y_train[keep])
     setting = {}
-    if FLAGS.algorithm == "abavg":
+    if FLAGS.abavg_accuracy_source == "client_test" and not FLAGS.client_test_splits:
+        raise app.UsageError("--abavg_accuracy_source=client_test: the clients report accuracy on their own test "
+                             "splits; fix: add --client_test_splits")
+    if FLAGS.algorithm == "abavg" and FLAGS.abavg_accuracy_source in (None, "server_validation"):
         dataset, setting["validation"] = bf.data.holdout(dataset, FLAGS.validation_fraction, FLAGS.seed)
     model = make_model(dataset.num_classes)
     task = make_task(dataset, model)
@@ -386,6 +391,7 @@ def main(argv):
             backend=FLAGS.backend, client_weights=weights, evaluate_local=FLAGS.evaluate_local,
             checkpoint_dir=checkpoints, on_round=on_round, init_server=init_server,
             hparams_fn=learning_rate_fn(), client_groups=client_groups, straggler_fraction=FLAGS.straggler_fraction,
+            straggler_weighting=FLAGS.straggler_weighting,
             round_fractions=round_fractions())
     with open(metrics_path, "w") as sink:  # complete history, restored rounds included
         for r in range(len(result.metrics["round"])):

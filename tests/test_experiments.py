@@ -87,7 +87,9 @@ def test_mc_dropout_schedule_and_final_uncertainty(tmp_path):
                                          "fix: --partition=nested"),
                                         ("--algorithm=fedref --fedref_p=0", "--fedref_p must be >= 1"),
                                         ("--round_fractions=0.5,2", "--round_fractions must be numbers in (0, 1]"),
-                                        ("--server_optimizer=adamw", "--server_optimizer")])
+                                        ("--server_optimizer=adamw", "--server_optimizer"),
+                                        ("--algorithm=abavg --abavg_accuracy_source=client_test",
+                                         "fix: add --client_test_splits")])
 def test_bad_flags_fail_with_one_clear_line(bad, needle, tmp_path):
     out = _run(*SMALL, *bad.split(), f"--output_dir={tmp_path}", check=False)
     assert out.returncode != 0
@@ -97,7 +99,7 @@ def test_bad_flags_fail_with_one_clear_line(bad, needle, tmp_path):
 def test_hbfl_preset_runs_heterogeneous_clients_with_their_own_test_splits(tmp_path):
     """The CI smoke preset: two local architectures, per-client test splits, stragglers; summary has CA."""
     _run(f"--flagfile={ROOT}/experiments/configs/hbfl/digits_smoke.flags", "--rounds=2", "--local_epochs=2",
-         "--straggler_fraction=0.5", f"--output_dir={tmp_path}")
+         "--straggler_fraction=0.5", "--straggler_weighting=by_epochs", f"--output_dir={tmp_path}")
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["algorithm"] == "hbfl" and summary["flags"]["client_architectures"] == "mlp:2,logistic:3"
     assert 0.3 < summary["best_client_test_accuracy"] <= 1.0

@@ -149,6 +149,21 @@ def test_straggler_draw_is_shared_and_bounded(small_fed):
     assert np.sum(np.asarray(first) < 50) == 2 and np.all(np.asarray(first) >= 1)
 
 
+def test_straggler_weighting_by_epochs_scales_q_by_x_over_e(small_fed):
+    arrays = round_arrays(small_fed)
+    key, epochs = jax.random.PRNGKey(4), 50
+    unchanged = sample_cohort(RoundConfig(5, 5, straggler_fraction=0.4), arrays, key, 16, epochs)
+    scaled = sample_cohort(RoundConfig(5, 5, straggler_fraction=0.4, straggler_weighting="by_epochs"), arrays, key,
+                           16, epochs)
+    x = np.asarray(straggler_epochs(RoundConfig(5, 5, straggler_fraction=0.4), arrays, key, epochs))
+    n = np.asarray(small_fed.counts, np.float64)
+    np.testing.assert_allclose(unchanged.weights, n / n.sum(), rtol=1e-6)
+    np.testing.assert_allclose(scaled.weights, n * x / epochs / np.sum(n * x / epochs), rtol=1e-6)
+    np.testing.assert_array_equal(unchanged.budgets, scaled.budgets)
+    with pytest.raises(ValueError, match="straggler_weighting"):
+        RoundConfig(5, 5, straggler_weighting="by_size")
+
+
 def test_step_budget_equals_fewer_epochs(small_fed, tiny_model, tiny_params):
     """A client with a budget of one epoch's steps under E = 3 trains exactly as with E = 1."""
     three = bf.algorithms.fedavg(tiny_model, lr=0.1, batch_size=16, local_epochs=3)
@@ -328,9 +343,48 @@ def test_fml_memes_are_averaged_and_abavg_weights_by_validation_accuracy(tiny_mo
                                 rtol=1e-5, atol=1e-6)
 
 
-def test_objective_heterogeneity_shares_the_trunk_and_keeps_each_tasks_head(digits):
-    """Two tasks with different label spaces (digits: 10 labels; their parity: 2) federate a Bayesian trunk;
-    each group keeps its own head; the grouped round equals one call per client."""
+def test_abavg_client_reported_accuracy_weights_by_size_times_accuracy(tiny_model, tiny_params, fed_with_tests,
+                                                                        small_fed):
+    """Spec Decision 15's option: each client reports its model's accuracy on its own test split; the server
+    weights by n_k acc_k. Every backend hands the client its split."""
+    algo = bf.algorithms.abavg(tiny_model, accuracy_source="client_test", weighting="accuracy_by_size", lr=0.1,
+                               batch_size=32)
+    task = bf.tasks.classification(tiny_model)
+    k = 2
+    data = ClientData(*(jnp.asarray(a) for a in (fed_with_tests.x[k], fed_with_tests.y[k], fed_with_tests.counts[k])))
+    m = int(fed_with_tests.test_counts[k])
+    test = ClientData(jnp.asarray(fed_with_tests.x_test_clients[k]), jnp.asarray(fed_with_tests.y_test_clients[k]),
+                      jnp.int32(m))
+    ctx = ClientContext({"params": tiny_params}, (), data, traced_hparams(algo, 1), 0, test)
+    message, _, _ = local_training(algo, ctx, jax.random.PRNGKey(0))
+    own = task.evaluate(message["params"], fed_with_tests.x_test_clients[k, :m], fed_with_tests.y_test_clients[k, :m])
+    np.testing.assert_allclose(message["reported_accuracy"], own["accuracy"], rtol=1e-6)
+
+    good, bad = tiny_params, jax.tree.map(jnp.zeros_like, tiny_params)
+    stacked = {"params": jax.tree.map(lambda a, b: jnp.stack([a, b]), good, bad),
+               "reported_accuracy": jnp.array([0.8, 0.2])}
+    server, metrics = algo.server_update(None, stacked, jnp.array([0.25, 0.75]), jnp.ones(2), {},
+                                         jax.random.PRNGKey(0))
+    share = np.array([0.25 * 0.8, 0.75 * 0.2]) / (0.25 * 0.8 + 0.75 * 0.2)
+    chex.assert_trees_all_close(server["params"], jax.tree.map(lambda a, b: share[0] * a + share[1] * b, good, bad),
+                                rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(metrics["mean_validation_accuracy"], 0.5, rtol=1e-6)
+
+    config = RoundConfig(5, 5)
+    state, metrics = _one_round(algo, fed_with_tests, tiny_params, config)
+    chex.assert_trees_all_close((state, metrics), _one_round(algo, fed_with_tests, tiny_params, config,
+                                                             backend="sequential"), rtol=2e-5, atol=2e-6)
+    assert 0 < float(metrics["mean_validation_accuracy"]) <= 1
+    with pytest.raises(ValueError, match="own test split"):
+        _one_round(algo, small_fed, tiny_params, config)
+    with pytest.raises(ValueError, match="validation"):
+        bf.algorithms.abavg(tiny_model)
+
+
+@pytest.mark.parametrize("method", ["hbfl", "fml"])
+def test_objective_heterogeneity_shares_the_trunk_and_keeps_each_tasks_head(digits, method):
+    """Two tasks with different label spaces (digits: 10 labels; their parity: 2) federate a trunk (HBFL:
+    Bayesian; FML: its baseline); each group keeps its own head; the grouped round equals one call per client."""
     x, y = digits.x_train, digits.y_train
     halves = [np.arange(60), np.arange(60, 120)]
     digit_task = bf.data.stack_clients(x[:120], y[:120], halves, x_test=digits.x_test[:100],
@@ -342,8 +396,15 @@ def test_objective_heterogeneity_shares_the_trunk_and_keeps_each_tasks_head(digi
     assert fed.test_counts.tolist() == [100, 100, 100, 100] and fed.y_test_clients[2].max() == 1
     trunk = bf.models.get_model("mlp", 8, hidden=(16,))  # x -> 8 features
     heads = (bf.models.Logistic(num_classes=10), bf.models.Logistic(num_classes=2))
-    algo = bf.algorithms.hbfl(trunk, input_shape=(8, 8, 1), local_models=(), head_models=heads, batch_size=20,
-                              meme_lr=1e-2, lr=0.1)
+    if method == "hbfl":
+        algo = bf.algorithms.hbfl(trunk, input_shape=(8, 8, 1), local_models=(), head_models=heads, batch_size=20,
+                                  meme_lr=1e-2, lr=0.1)
+        head_kernel = lambda persistent: persistent["head"]["params"]["Dense_0"]["kernel"]
+    else:
+        local = (bf.models.Logistic(num_classes=10), bf.models.Logistic(num_classes=2))
+        algo = bf.algorithms.fml(trunk, input_shape=(8, 8, 1), local_models=local, head_models=heads, batch_size=20,
+                                 lr=0.1)
+        head_kernel = lambda persistent: persistent["head"]["Dense_0"]["kernel"]
     params = algo.init_params(jax.random.PRNGKey(0), (8, 8, 1))
     config = RoundConfig(4, 4, client_groups=tuple(tasks))
     grouped = _one_round(algo, fed, params, config)
@@ -351,9 +412,9 @@ def test_objective_heterogeneity_shares_the_trunk_and_keeps_each_tasks_head(digi
                                 rtol=2e-5, atol=2e-6)
     state, metrics = grouped
     assert "global_accuracy" not in metrics and 0 <= metrics["client_test_accuracy"] <= 1
-    assert state.persistent[0]["head"]["params"]["Dense_0"]["kernel"].shape == (2, 8, 10)
-    assert state.persistent[1]["head"]["params"]["Dense_0"]["kernel"].shape == (2, 8, 2)
+    assert head_kernel(state.persistent[0]).shape == (2, 8, 10)
+    assert head_kernel(state.persistent[1]).shape == (2, 8, 2)
     assert bf.models.num_params(state.server["params"]) == bf.models.num_params(params)  # the trunk only
     start = init_state(algo, params, config, jax.random.PRNGKey(9))
-    assert float(jnp.abs(state.persistent[1]["head"]["params"]["Dense_0"]["kernel"]
-                         - start.persistent[1]["head"]["params"]["Dense_0"]["kernel"]).max()) > 0  # heads train
+    assert float(jnp.abs(head_kernel(state.persistent[1]) - head_kernel(start.persistent[1])).max()) > 0  # heads train
+    assert float(jnp.abs(state.server["params"]["Dense_0"]["kernel"] - params["Dense_0"]["kernel"]).max()) > 0

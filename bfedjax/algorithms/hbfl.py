@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpyro.distributions as dist
 import optax
 
-from bfedjax.algorithms.private_models import PrivateModels
+from bfedjax.algorithms.private_models import PrivateModels, output_shape
 from bfedjax.core.types import Algorithm, Batch, ClientContext
 from bfedjax.losses import cross_entropy
 from bfedjax.posteriors.aggregation import gaussian_product
@@ -130,9 +130,8 @@ def hbfl(model, *, input_shape: Sequence[int], local_models: Sequence | None = N
     apply_fn = meme_task.apply_fn
     heads = None
     if head_models is not None:
-        example = jnp.zeros((1,) + tuple(input_shape), jnp.float32)
-        features = jax.eval_shape(lambda: apply_fn(meme_task.init_params(jax.random.PRNGKey(0), input_shape), example))
-        heads = PrivateModels(head_models, features.shape[1:], weight_decay=weight_decay, momentum=momentum)
+        heads = PrivateModels(head_models, output_shape(model, input_shape), weight_decay=weight_decay,
+                              momentum=momentum)
         if local_models is None:
             raise ValueError("hbfl: with head_models give local_models too (one per group, with the group's "
                              "labels), or () for none")

@@ -12,11 +12,21 @@ from __future__ import annotations
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from bfedjax.core.types import Batch
 from bfedjax.losses import cross_entropy, distillation, masked_mean
 from bfedjax.tasks import classification
+
+
+def output_shape(model, input_shape: Sequence[int]) -> tuple[int, ...]:
+    """Shape of one example's output of ``model`` on inputs of ``input_shape`` (e.g. a trunk's features,
+    ``(576,)`` for CNN2's on 28x28x1), without running it."""
+    task = classification(model)
+    example = jnp.zeros((1,) + tuple(input_shape), jnp.float32)
+    out = jax.eval_shape(lambda: task.apply_fn(task.init_params(jax.random.PRNGKey(0), input_shape), example))
+    return tuple(out.shape[1:])
 
 
 class PrivateModels:
@@ -80,4 +90,4 @@ class PrivateModels:
         return self.tasks[group].evaluate(state["params"], x, y, mask)
 
 
-__all__ = ["PrivateModels"]
+__all__ = ["PrivateModels", "output_shape"]

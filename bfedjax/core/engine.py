@@ -67,6 +67,7 @@ BACKENDS = ("vmap", "sequential", "stepwise", "debug")
 SERVER_KEY_STREAM = 0x5E5E  # the server's key is fold_in(round key, this): sampling and client keys stay as they were
 STRAGGLER_KEY_STREAM = 0x57A6  # the straggler draw's key: fold_in(round key, this)
 SUBSET_KEY_STREAM = 0x5B5E  # the round-subset draw's key: fold_in(round key, this)
+STRAGGLER_WEIGHTINGS = ("unchanged", "by_epochs")
 NO_BUDGET = jnp.iinfo(jnp.int32).max  # a step budget that never binds
 
 
@@ -115,6 +116,8 @@ class RoundConfig:
       client axis is sharded); the extra slots are padding.
     client_groups: ``N`` ints, each client's architecture group (``None``: every client in group 0).
     straggler_fraction: the fraction of clients that train fewer epochs each round (0: none).
+    straggler_weighting: ``"unchanged"`` (a straggler keeps its weight, HBFL spec Decision 14) or
+      ``"by_epochs"`` (its weight is scaled by ``x / E``, i.e. ``q_k`` proportional to ``n_k x / E``).
     round_fractions: fractions in (0, 1]; each round every client trains on the first
       ``round(f * n_k)`` rows of its data, ``f`` drawn uniformly from them (``None``: all rows).
     """
@@ -126,6 +129,7 @@ class RoundConfig:
     pad_cohort_to: int = 1
     client_groups: tuple[int, ...] | None = None
     straggler_fraction: float = 0.0
+    straggler_weighting: str = "unchanged"
     round_fractions: tuple[float, ...] | None = None
 
     def __post_init__(self):
@@ -142,6 +146,8 @@ class RoundConfig:
             object.__setattr__(self, "client_groups", groups)
         if not 0.0 <= self.straggler_fraction <= 1.0:
             raise ValueError(f"straggler_fraction={self.straggler_fraction} must be in [0, 1], e.g. 0.5")
+        if self.straggler_weighting not in STRAGGLER_WEIGHTINGS:
+            raise ValueError(f"straggler_weighting={self.straggler_weighting!r}; choose one of {STRAGGLER_WEIGHTINGS}")
         if self.round_fractions is not None:
             fractions = tuple(float(f) for f in self.round_fractions)
             if not fractions or not all(0.0 < f <= 1.0 for f in fractions):
@@ -311,13 +317,15 @@ def sample_cohort(config: RoundConfig, arrays: RoundArrays, key, batch_size: int
     safe = jnp.minimum(ids, n - 1)
     mask = jnp.where(ids < n, arrays.client_mask[safe], 0.0)
     raw = jnp.where(mask > 0, arrays.base_weights[safe], 0.0)
-    weights = raw / jnp.maximum(jnp.sum(raw), 1e-30)
     keys = jax.vmap(lambda i: jax.random.fold_in(client_key, i))(ids)
     budgets = jnp.full((kp,), NO_BUDGET, jnp.int32)
     if config.straggler_fraction > 0:
         epochs = straggler_epochs(config, arrays, key, local_epochs)[safe]
         steps_per_epoch = (jnp.where(ids < n, arrays.counts[safe], 0) + batch_size - 1) // batch_size
         budgets = jnp.where(epochs < local_epochs, epochs * steps_per_epoch, NO_BUDGET).astype(jnp.int32)
+        if config.straggler_weighting == "by_epochs":
+            raw = raw * epochs / local_epochs
+    weights = raw / jnp.maximum(jnp.sum(raw), 1e-30)
     return Cohort(ids, mask, weights, keys, budgets)
 
 
@@ -345,16 +353,24 @@ def _client_inputs(state: EngineState, arrays: RoundArrays, config: RoundConfig,
     return data, persistent
 
 
+def _client_test_data(arrays: RoundArrays, client_id) -> ClientData | None:
+    """The client's own test split (padding id N: an empty one), or ``None`` without per-client splits."""
+    if arrays.test_counts is None:
+        return None
+    n = arrays.test_counts.shape[0]
+    safe = jnp.minimum(client_id, n - 1)
+    count = jnp.where(client_id < n, arrays.test_counts[safe], 0)
+    return ClientData(arrays.x_test_clients[safe], arrays.y_test_clients[safe], count)
+
+
 def _with_client_test_metrics(algorithm: Algorithm, arrays: RoundArrays, client_id, outputs, group: int):
     """Adds ``client_test_<name>``: the client's own models scored on its own test split (if the federation has one)."""
     message, persistent, metrics = outputs
-    if arrays.test_counts is None:
+    test = _client_test_data(arrays, client_id)
+    if test is None:
         return outputs
-    n = arrays.test_counts.shape[0]
-    safe = jnp.minimum(client_id, n - 1)
-    x, y = arrays.x_test_clients[safe], arrays.y_test_clients[safe]
-    count = jnp.where(client_id < n, arrays.test_counts[safe], 0)
-    mask = (jnp.arange(y.shape[0]) < count).astype(jnp.float32)
+    x, y = test.x, test.y
+    mask = (jnp.arange(y.shape[0]) < test.count).astype(jnp.float32)
     if algorithm.evaluate_client is not None:
         scores = algorithm.evaluate_client(message, persistent, x, y, mask, group)
     elif algorithm.evaluate is not None and isinstance(message, dict) and "params" in message:
@@ -370,7 +386,7 @@ def _with_client_test_metrics(algorithm: Algorithm, arrays: RoundArrays, client_
 
 def _run_one_client(algorithm, config, state, arrays, hparams, client_id, key, budget, group):
     data, persistent = _client_inputs(state, arrays, config, client_id, group)
-    ctx = ClientContext(state.server, persistent, data, hparams, group)
+    ctx = ClientContext(state.server, persistent, data, hparams, group, _client_test_data(arrays, client_id))
     outputs = local_training(algorithm, ctx, key, budget)
     return _with_client_test_metrics(algorithm, arrays, client_id, outputs, group)
 
@@ -573,7 +589,7 @@ def _vmapped_round(algorithm, config, state, arrays, key, hparams):
         if everyone and chunk is None:
             # Full participation: vmap straight over the stored client axis (no gather copy).
             def train_in_place(data, persistent, cid, k, b):
-                ctx = ClientContext(state.server, persistent, data, hparams, 0)
+                ctx = ClientContext(state.server, persistent, data, hparams, 0, _client_test_data(arrays, cid))
                 return _with_client_test_metrics(algorithm, arrays, cid, local_training(algorithm, ctx, k, b), 0)
             data = ClientData(arrays.x, arrays.y, arrays.counts)
             outputs = jax.vmap(train_in_place)(data, state.persistent[0], sub.ids, sub.keys, sub.budgets)
@@ -646,6 +662,7 @@ def _looped_client(algorithm, config, wrap, call):
               for g in range(config.num_groups)}
     client_test = {g: wrap(lambda arrays, cid, out, g=g: _with_client_test_metrics(algorithm, arrays, cid, out, g))
                    for g in range(config.num_groups)}
+    test_of = wrap(_client_test_data)
     init = wrap(algorithm.client_init)
     order_of = wrap(epoch_permutation, static_argnums=2) if wrap is jax.jit else epoch_permutation
     step = wrap(lambda local, ctx, order, j, key: algorithm.client_step(
@@ -654,7 +671,7 @@ def _looped_client(algorithm, config, wrap, call):
 
     def one_client(state, arrays, hparams, client_id, key, budget, group):
         data, persistent = inputs[group](state, arrays, client_id)
-        ctx = ClientContext(state.server, persistent, data, hparams, group)
+        ctx = ClientContext(state.server, persistent, data, hparams, group, test_of(arrays, client_id))
         init_key, perm_key, step_key = jax.random.split(key, 3)  # as local_training
         local = call("init", client_id, init, ctx, init_key)
         real_batches, taken = math.ceil(int(data.count) / batch_size), 0
@@ -719,6 +736,6 @@ def _debug_round_fn(algorithm, config):
     return debug_round
 
 
-__all__ = ["BACKENDS", "NO_BUDGET", "Cohort", "EngineState", "RoundArrays", "RoundConfig", "StageError", "init_state",
-           "local_training", "make_round_step", "sample_cohort", "server_key_of", "straggler_epochs",
-           "with_round_subsets"]
+__all__ = ["BACKENDS", "NO_BUDGET", "STRAGGLER_WEIGHTINGS", "Cohort", "EngineState", "RoundArrays", "RoundConfig",
+           "StageError", "init_state", "local_training", "make_round_step", "sample_cohort", "server_key_of",
+           "straggler_epochs", "with_round_subsets"]

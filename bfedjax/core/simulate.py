@@ -89,6 +89,7 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
              hparams_fn: Callable[[int], dict] | None = None, evaluate_local: bool = True,
              init_params=None, init_server=None, checkpoint_dir: str | None = None,
              mesh=None, client_groups=None, straggler_fraction: float = 0.0,
+             straggler_weighting: str = "unchanged",
              round_fractions: Sequence[float] | None = None, on_round: Callable[[dict], None] | None = None,
              stop_when: Callable[[list[dict]], bool] | None = None) -> SimulationResult:
     """Runs ``rounds`` federated rounds.
@@ -115,6 +116,8 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
         persistent state (e.g. a local model of the group's architecture) in the group's arrays.
       straggler_fraction: this fraction of clients trains ``x ~ U{1..E}`` epochs each round
         (drawn from the round key: the same stragglers for every algorithm at a given seed).
+      straggler_weighting: ``"unchanged"`` (stragglers keep their weight) or ``"by_epochs"``
+        (weight scaled by ``x / E``).
       round_fractions: e.g. ``(0.5, 0.6, 0.7, 0.8, 0.9)``: each round every client trains on the
         first ``round(f * n_k)`` rows of its data with ``f`` drawn from these (its weight scaled
         by ``f``); with ``data.partition(..., "nested")`` these are FedRef's nested subsets.
@@ -136,6 +139,7 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
     config = RoundConfig(num_clients=num_clients, clients_per_round=k, clients_per_chunk=clients_per_chunk,
                          evaluate_local=evaluate_local, pad_cohort_to=mesh.devices.size if mesh is not None else 1,
                          client_groups=groups, straggler_fraction=straggler_fraction,
+                         straggler_weighting=straggler_weighting,
                          round_fractions=None if round_fractions is None else tuple(round_fractions))
     if init_params is None and init_server is None:
         if algorithm.init_params is None:

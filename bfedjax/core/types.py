@@ -60,6 +60,9 @@ class ClientContext:
     group: the client's architecture group, a static Python int (0 unless the federation
       assigns groups; see ``RoundConfig.client_groups``): clients of one group share the
       shapes of their persistent state, e.g. a personalised local model of one architecture.
+    test: this client's own test split as ``ClientData`` (``[max_t, ...]``, ``count`` real rows)
+      when the federation has per-client test splits, else ``None`` (e.g. ABAVG's
+      client-reported accuracy).
     """
 
     server: PyTree
@@ -67,9 +70,10 @@ class ClientContext:
     data: ClientData
     hparams: HParams
     group: int = 0
+    test: ClientData | None = None
 
 
-jax.tree_util.register_dataclass(ClientContext, data_fields=["server", "persistent", "data", "hparams"],
+jax.tree_util.register_dataclass(ClientContext, data_fields=["server", "persistent", "data", "hparams", "test"],
                                  meta_fields=["group"])
 
 
