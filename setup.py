@@ -36,6 +36,6 @@ setup(
         "experiments": CHECKPOINT + DP + PLOTS,  # what the binaries in experiments/ use
         # The PyTorch loop of experiments/bench.py. Pinned: an open range pulls a multi-GB CUDA build.
         "bench": ["torch==2.13.0"],
-        "dev": CHECKPOINT + DP + PLOTS + TFDS + FETS + ["pytest>=7", "pytest-xdist>=3", "mlxtend>=0.23"],
+        "dev": CHECKPOINT + DP + PLOTS + TFDS + FETS + ["pytest>=7", "pytest-xdist>=3", "mlxtend>=0.23", "hypothesis>=6.100"],
     },
 )

@@ -32,6 +32,7 @@ from bfedjax.algorithms.hbfl import WEIGHTINGS as HBFL_WEIGHTINGS
 from bfedjax.algorithms.fola import FISHER_MODES, NORMALISATIONS, PRECISION_MODES, PROFILES
 from bfedjax.algorithms.local_sgd import OPTIMIZERS
 from bfedjax.algorithms.registry import ALGORITHMS
+from bfedjax.algorithms.robust import ROBUST_RULES
 from bfedjax.algorithms.scaffold import OPTIONS as SCAFFOLD_OPTIONS
 from bfedjax.algorithms.server_opt import SERVER_OPTIMIZERS
 from bfedjax.posteriors import DWC_GUARDS
@@ -207,6 +208,18 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_float("server_b1", 0.9, "--server_optimizer adam/yogi: beta1.", flag_values=flag_values)
     flags.DEFINE_float("server_b2", 0.99, "--server_optimizer adam/yogi: beta2.", flag_values=flag_values)
     flags.DEFINE_float("server_tau", 1e-3, "--server_optimizer: adaptivity tau.", flag_values=flag_values)
+    # Robust aggregation, a layer on any algorithm (bfedjax.algorithms.with_robust_aggregation).
+    flags.DEFINE_enum("robust_rule", "none", ("none",) + ROBUST_RULES, "Robust aggregation on the clients' models: "
+                      "median, trimmed_mean, krum, multi_krum, robust_product (posterior methods: trimmed and capped "
+                      "Gaussian product), mean (only --max_update_norm).", flag_values=flag_values)
+    flags.DEFINE_float("robust_trim", 0.2, "--robust_rule=trimmed_mean/robust_product: fraction dropped at each end.",
+                       flag_values=flag_values)
+    flags.DEFINE_float("robust_byzantine_fraction", 0.2, "--robust_rule=krum/multi_krum: share of attackers assumed.",
+                       flag_values=flag_values)
+    flags.DEFINE_float("max_update_norm", None, "Bound every client's update norm to this (norm bounding; with any "
+                       "--robust_rule).", flag_values=flag_values)
+    flags.DEFINE_float("robust_precision_cap", None, "--robust_rule=robust_product: cap each precision at this many "
+                       "times the median one.", flag_values=flag_values)
     # HBFL, FML, ABAVG (HBFL spec section 3; the local models come from --client_architectures).
     number(flags.DEFINE_float, "likelihood_temperature", "hbfl: likelihood temperature T of the meme loss "
            "(default 1e-4).")
@@ -256,6 +269,10 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         "fedref_warmup": (lambda v: v is None or v >= 0, "--fedref_warmup must be >= 0"),
         "server_lr": (lambda v: v > 0, "--server_lr must be > 0, e.g. 0.01"),
         "server_tau": (lambda v: v >= 0, "--server_tau must be >= 0, e.g. 1e-3"),
+        "robust_trim": (lambda v: 0 <= v < 0.5, "--robust_trim must be in [0, 0.5), e.g. 0.2"),
+        "robust_byzantine_fraction": (lambda v: 0 <= v < 1, "--robust_byzantine_fraction must be in [0, 1), e.g. 0.2"),
+        "max_update_norm": (lambda v: v is None or v > 0, "--max_update_norm must be > 0, e.g. 5"),
+        "robust_precision_cap": (lambda v: v is None or v > 0, "--robust_precision_cap must be > 0, e.g. 4"),
     }
     for name, (check, message) in checks.items():
         flags.register_validator(name, check, message=message, flag_values=flag_values)
@@ -305,6 +322,13 @@ def build(flag_values: flags.FlagValues, model, fed, setting: dict | None = None
               f"--algorithm={flag_values.algorithm} (ignored)", file=sys.stderr, flush=True)
     try:
         algorithm = bf.algorithms.build(flag_values.algorithm, model, fed, **opts)
+        rule = flag_values.robust_rule
+        if rule == "none" and flag_values.max_update_norm is not None:
+            rule = "mean"
+        if rule != "none":
+            algorithm = bf.algorithms.with_robust_aggregation(
+                algorithm, rule, trim=flag_values.robust_trim, byzantine_fraction=flag_values.robust_byzantine_fraction,
+                max_update_norm=flag_values.max_update_norm, precision_cap=flag_values.robust_precision_cap)
         if flag_values.server_optimizer != "none":
             tx = bf.algorithms.server_optimizer(flag_values.server_optimizer, flag_values.server_lr,
                                                 b1=flag_values.server_b1, b2=flag_values.server_b2,

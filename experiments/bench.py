@@ -40,7 +40,7 @@ import time
 
 from absl import app, flags, logging
 
-from experiments import bench_torch
+from experiments import bench_torch, errors
 from experiments.bench_report import check_targets, markdown
 
 FLAGS = flags.FLAGS
@@ -59,6 +59,11 @@ flags.DEFINE_list("cpu_chunks", ["1", "2", "5"], "On a CPU, also time the round 
 flags.DEFINE_string("output_dir", "results/bench", "Where bench.json and bench.md go (rewritten after every row).")
 flags.DEFINE_bool("resume", False, "Keep the rows of --output_dir/bench.json (a run cut off on the same machine) "
                   "and time only the missing ones.")
+errors.check_list("backends", lambda b: b in ("vmap", "stepwise", "torch"), "among vmap, stepwise, torch",
+                  "vmap,stepwise")
+errors.check_list("cpu_chunks", lambda c: int(c) >= 1, "chunk sizes >= 1 (or empty)", "1,2,5")
+for _name in ("rounds", "samples_per_client"):
+    flags.register_validator(_name, lambda v: v is None or v >= 1, message=f"--{_name} must be >= 1")
 
 
 @dataclasses.dataclass
@@ -78,6 +83,7 @@ class Config:
 
 
 ALL_CLIENTS = ("fedavg", "fola", "bfl", "fedreg")
+errors.check_list("algorithms", lambda a: a in ALL_CLIENTS, f"among {', '.join(ALL_CLIENTS)}", "fedavg,fola")
 
 
 def configurations(quick: bool) -> list[Config]:
@@ -221,7 +227,12 @@ def time_aggregation(algorithm, fed, rounds: int = 5) -> float:
 
 
 def main(argv):
-    del argv
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}; fix: flags take the form --name=value")
+    names = [config.name for config in configurations(FLAGS.quick)]
+    if FLAGS.only and not any(s in name for s in FLAGS.only for name in names):
+        raise app.UsageError(f"--only={','.join(FLAGS.only)} matches no configuration; fix: use part of one of "
+                             f"{'; '.join(names)}")
     logging.set_verbosity(logging.WARNING)
     import jax
     import bfedjax as bf
@@ -293,8 +304,8 @@ def previous_rows(path: str) -> tuple[list[dict], float | None]:
         report = json.load(f)
     kind = str(jax.devices()[0].device_kind)
     if report["machine"]["device"] != kind:
-        raise SystemExit(f"--resume: {path} was measured on {report['machine']['device']!r}, this is {kind!r}; "
-                         "pass another --output_dir or drop --resume")
+        raise app.UsageError(f"--resume: {path} was measured on {report['machine']['device']!r}, this is {kind!r}; "
+                             "fix: pass another --output_dir or drop --resume")
     print(f"resuming: {len(report['rows'])} rows kept from {path}", flush=True)
     return report["rows"], report["matmul_peak_gflops"] * 1e9
 
@@ -329,4 +340,4 @@ def variants_of(config: Config, algorithm: str, backends: list[str], on_cpu: boo
 
 
 if __name__ == "__main__":
-    app.run(main)
+    errors.run(main)

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import time
 
-from absl import app, flags
+from absl import flags
+
+from experiments import errors
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("repeats", 3, "Timed repetitions (after one compile run).")
@@ -82,4 +84,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    errors.run(main)

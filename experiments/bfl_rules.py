@@ -19,6 +19,8 @@ import time
 import numpy as np
 from absl import app, flags, logging
 
+from experiments import errors
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("dataset", "digits", "Data set.")
 flags.DEFINE_integer("max_train", None, "Subsample the training set.")
@@ -37,6 +39,13 @@ flags.DEFINE_enum("gradient_estimator", "flipout", ["flipout", "reparameterizati
 flags.DEFINE_float("dropout_rate", 0.2, "Dropout rate of the MC-dropout baseline (paper: 0.2).")
 flags.DEFINE_string("results_file", None, "Markdown output (default results/bfl_rules_<dataset>.md).")
 flags.DEFINE_bool("report_only", False, "Rewrite the markdown from the saved JSON of an earlier run (no training).")
+
+errors.check_list("seeds", lambda s: int(s) >= 0, "integer seeds >= 0", "0,1,2")
+errors.check_list("settings", lambda s: len(s.split(":")) == 2 and min(int(v) for v in s.split(":")) >= 1,
+                  "local_epochs:rounds pairs of integers >= 1", "1:60,5:30")
+errors.check_list("partitions", lambda p: p in ("iid", "shards"), "iid and/or shards", "iid,shards")
+for _name in ("num_clients", "batch_size", "hidden", "test_samples"):
+    flags.register_validator(_name, lambda v: v >= 1, message=f"--{_name} must be >= 1")
 
 GROUP_1, GROUP_2 = ("ws", "wc", "conflation"), ("nwa", "lp")
 BASELINES = ("fedavg", "mc_dropout")  # deterministic and MC-dropout MLPs, FedAvg (= NWA, train size)
@@ -67,9 +76,14 @@ def run_one(data, method, partition, epochs, rounds, seed):
 
 
 def main(argv):
-    del argv
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}; fix: flags take the form --name=value")
     logging.set_verbosity(logging.WARNING)
     import bfedjax as bf
+    from bfedjax.algorithms.bfl import RULES
+    unknown = sorted(set(FLAGS.rules) - set(RULES))
+    if unknown:
+        raise app.UsageError(f"--rules: unknown rules {unknown}; fix: choose from {', '.join(RULES)}")
     data = bf.data.load(FLAGS.dataset, max_train=FLAGS.max_train)
     if FLAGS.report_only:
         with open(results_path().replace(".md", ".json")) as f:
@@ -195,4 +209,4 @@ def write_results(rows, data):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    errors.run(main)

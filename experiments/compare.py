@@ -4,7 +4,8 @@ r"""Runs several algorithms on one flagfile and prints / writes a comparison.
         --runs=fedavg:--algorithm=fedavg fola:--algorithm=fola --output_dir=out/demo
 
 Each run is ``python -m experiments.run --flagfile=F <run flags> --output_dir=OUT/<label>``;
-the table reads each run's ``metrics.jsonl`` and ``summary.json``.
+the table reads each run's ``metrics.jsonl`` and ``summary.json``. A run that stops on a bad command line
+stops the comparison with that run's one error line, prefixed by its label (``experiments.errors``).
 """
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ import os
 import subprocess
 import sys
 
+from absl import app
+
+from experiments import errors
+
 
 def run_all(flagfile: str, runs: list[str], output_dir: str, extra: list[str]) -> dict:
     results = {}
@@ -24,12 +29,24 @@ def run_all(flagfile: str, runs: list[str], output_dir: str, extra: list[str]) -
         cmd = [sys.executable, "-m", "experiments.run", f"--flagfile={flagfile}", *flags.split(), *extra,
                f"--output_dir={out}"]
         print("$", " ".join(cmd), flush=True)
-        subprocess.run(cmd, check=True)
+        _run(label, cmd)
         with open(os.path.join(out, "metrics.jsonl")) as f:
             rounds = [json.loads(line) for line in f]
         with open(os.path.join(out, "summary.json")) as f:
             results[label] = {"rounds": rounds, "summary": json.load(f)}
     return results
+
+
+def _run(label: str, cmd: list[str]) -> None:
+    """Runs one ``experiments.run`` command; its one-line error becomes a ``UsageError`` naming the run."""
+    out = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)
+    lines = out.stderr.splitlines()
+    if out.returncode == errors.EXIT_CODE and lines and lines[-1].startswith("error: "):
+        sys.stderr.write("".join(line + "\n" for line in lines[:-1]))
+        raise app.UsageError(f"run {label}: {lines[-1][len('error: '):]}")
+    sys.stderr.write(out.stderr)
+    if out.returncode:  # a crash: its traceback is above
+        raise subprocess.CalledProcessError(out.returncode, cmd)
 
 
 def table(results: dict) -> str:
@@ -56,7 +73,7 @@ def per_round_table(results: dict) -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = errors.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--flagfile", required=True)
     parser.add_argument("--runs", nargs="+", required=True, help="label:flags (flags space-separated, quoted)")
     parser.add_argument("--output_dir", default="out/compare")
@@ -64,7 +81,7 @@ def main(argv=None):
     parser.add_argument("--title", default="Comparison")
     args, extra = parser.parse_known_args(argv)
     if not os.path.exists(args.flagfile):
-        parser.error(f"--flagfile {args.flagfile} does not exist; see experiments/configs/")
+        raise app.UsageError(f"--flagfile {args.flagfile} does not exist; fix: pass one of experiments/configs/*.flags")
     results = run_all(args.flagfile, args.runs, args.output_dir, extra)
     source = next(iter(results.values()))["summary"]["source"]
     text = (f"## {args.title}\n\nData: {source}. Command:\n\n```\npython -m experiments.compare "
@@ -80,4 +97,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    errors.guard(main)()

@@ -38,6 +38,8 @@ import time
 import numpy as np
 from absl import app, flags, logging
 
+from experiments import errors
+
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("quick", False, "1 seed, 8 classification and 6 segmentation rounds, nested partition only.")
 flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds.")
@@ -67,6 +69,10 @@ SEGMENTERS = {
     "FedRef-map_prox": ("fedref", {"variant": "map_prox", "lam": RHO / (2 * SEG_LR), "p": 3}, None),
 }
 PARTITIONS = ("nested", "dirichlet 0.1")
+for _name in ("seeds", "segmentation_seeds"):
+    errors.check_list(_name, lambda s: int(s) >= 0, "integer seeds >= 0", "0,1")
+for _name in ("rounds", "segmentation_rounds"):
+    flags.register_validator(_name, lambda v: v >= 1, message=f"--{_name} must be >= 1, e.g. --{_name}=15")
 
 
 def _algorithm(bf, spec, model, fed, lr, batch, task=None):
@@ -264,10 +270,7 @@ def main(argv):
         seeds, seg_seeds, FLAGS.rounds, FLAGS.segmentation_rounds, partitions = [0], [0], 8, 6, ("nested",)
         n_seg_train, n_seg_test = 200, 50
         FLAGS.output_dir = os.path.join(FLAGS.output_dir, "quick")
-    try:
-        mnist = bf.data.load("mnist_5k")
-    except bf.data.DataUnavailableError as err:
-        sys.exit(f"mnist_5k is not available: {str(err).splitlines()[0]}")
+    mnist = bf.data.load("mnist_5k")
     vessels = bf.data.load("vessels", max_train=n_seg_train, max_test=n_seg_test)
     mlp = bf.models.get_model("mlp", 10, hidden=(200, 200))
     unet = bf.models.get_model("unet", 2)
@@ -306,4 +309,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    errors.run(main)

@@ -29,9 +29,9 @@ import os
 import time
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
-from experiments import algorithm_flags
+from experiments import algorithm_flags, errors
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("methods", ["fedsgd", "fedavg", "fedprox", "fedcurv", "scaffold", "fedreg"],
@@ -43,6 +43,7 @@ flags.DEFINE_integer("local_epochs", 5, "Local epochs (paper: 20).")
 flags.DEFINE_integer("num_clients", 200, "Clients, 20 images of one class each.")
 flags.DEFINE_integer("samples_per_client", 20, "Images per client (= the local batch).")
 flags.DEFINE_integer("clients_per_round", 10, "Clients per round K.")
+errors.check_list("seeds", lambda s: int(s) >= 0, "integer seeds >= 0", "0,1")
 flags.DEFINE_string("model", "fedreg_cnn", "Model (fedreg_cnn: the paper's; mlp for a quick look).")
 flags.DEFINE_string("results_file", "results/fedreg_one_class_mnist5k.md", "Markdown output (JSON beside it).")
 flags.DEFINE_bool("resume", True, "Reuse finished runs found in the JSON beside --results_file.")
@@ -181,4 +182,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    errors.run(main)

@@ -27,9 +27,9 @@ import os
 import time
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
-from experiments import algorithm_flags
+from experiments import algorithm_flags, errors
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("images", 3, "Test images attacked (one at a time, one step each).")
@@ -173,4 +173,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    errors.run(main)

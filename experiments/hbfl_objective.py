@@ -22,13 +22,16 @@ import os
 import sys
 
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
+
+from experiments import errors
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("rounds", 20, "Rounds.")
 flags.DEFINE_integer("max_train", 4000, "Fashion-MNIST training subset (stratified).")
 flags.DEFINE_integer("max_test", 2000, "Fashion-MNIST test subset (stratified).")
 flags.DEFINE_list("seeds", ["0"], "Seeds.")
+errors.check_list("seeds", lambda s: int(s) >= 0, "integer seeds >= 0", "0,1")
 flags.DEFINE_string("results_file", "results/hbfl_objective.md", "Markdown output.")
 
 BATCH, LR = 128, 0.01
@@ -113,4 +116,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    errors.run(main)

@@ -34,6 +34,8 @@ import time
 import numpy as np
 from absl import app, flags, logging
 
+from experiments import errors
+
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("quick", False, "1 seed, alpha 0.1, 2,000 training / 1,000 test images, 5 rounds.")
 flags.DEFINE_list("alphas", ["100", "0.1", "0.05"], "Dirichlet concentrations.")
@@ -53,6 +55,9 @@ NUM_CLIENTS, BATCH, LR, MEME = 10, 128, 0.01, "cnn2"
 RUNS = [("hetero", "hbfl"), ("hetero", "fml"), ("common", "hbfl"), ("common", "fml"), ("common", "fedavg"),
         ("bayes_only", "hbfl"), ("equal_q", "hbfl"), ("stragglers", "hbfl"), ("stragglers", "fml")]
 STRAGGLER_ALPHA, STRAGGLER_FRACTION, STRAGGLER_EPOCHS = 0.1, 0.5, 2
+errors.check_list("alphas", lambda a: float(a) > 0, "Dirichlet concentrations > 0", "0.1,0.5")
+errors.check_list("seeds", lambda s: int(s) >= 0, "integer seeds >= 0", "0,1,2")
+flags.register_validator("rounds", lambda v: v >= 1, message="--rounds must be >= 1, e.g. --rounds=30")
 
 
 def federation(data, alpha: float, seed: int):
@@ -175,10 +180,7 @@ def main(argv):
         FLAGS.output_dir = os.path.join(FLAGS.output_dir, "quick")
     else:
         alphas, seeds = [float(a) for a in FLAGS.alphas], [int(s) for s in FLAGS.seeds]
-    try:
-        data = bf.data.load(FLAGS.dataset, max_train=FLAGS.max_train, max_test=FLAGS.max_test, seed=0)
-    except bf.data.DataUnavailableError as err:
-        sys.exit(f"{FLAGS.dataset} is not available: {str(err).splitlines()[0]}")
+    data = bf.data.load(FLAGS.dataset, max_train=FLAGS.max_train, max_test=FLAGS.max_test, seed=0)
     records = []
     for seed in seeds:  # seed-major, so an interrupted grid already covers every alpha
         for alpha in alphas:
@@ -200,4 +202,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    errors.run(main)

@@ -12,7 +12,9 @@ holds, and the aggregation's sums become cross-process all-reduces.
 """
 from __future__ import annotations
 
-from absl import app, flags
+from absl import flags
+
+from experiments import errors
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("coordinator", "localhost:12355", "host:port of process 0.")
@@ -43,4 +45,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    errors.run(main)

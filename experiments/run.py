@@ -12,6 +12,10 @@ Prints one progress line per round (round, GA, LA, seconds; with
 ``metrics.jsonl`` (one JSON record per round) and ``summary.json`` into
 ``--output_dir``, and checkpoints every round there so a crashed run resumes
 where it stopped (``--noresume`` starts over).
+
+A bad command line (a flag out of range, flags that conflict, missing data, an impossible partition)
+stops with one line on stderr, ``error: ...; fix: ...``, and exit status 2 (``experiments.errors``).
+``setup`` does everything up to the first round and can be called in-process (``prepare(argv)``).
 """
 from __future__ import annotations
 
@@ -20,12 +24,14 @@ import json
 import os
 import shutil
 import sys
+import warnings
+from typing import Any, Sequence
 
 import numpy as np
 from absl import app, flags, logging
 
 import bfedjax as bf
-from experiments import algorithm_flags
+from experiments import algorithm_flags, errors
 
 FLAGS = flags.FLAGS
 # What to run: --algorithm, --lr, --local_epochs, --batch_size and the algorithms' options.
@@ -39,11 +45,15 @@ flags.DEFINE_float("dropout_rate", 0.0, "MC dropout (MLPs, resnet20): dropout la
                    "(Fischer et al.'s baseline: --algorithm=fedavg --dropout_rate=0.2).")
 # Data.
 flags.DEFINE_enum("dataset", "digits", list(bf.data.DATASETS), "Data set.")
-flags.DEFINE_string("data_dir", None, "Folder with IDX files (else $BFEDJAX_DATA_DIR, Debian's folder, TFDS).")
+flags.DEFINE_string("data_dir", None, "Folder with the data set's files (mnist, fashion_mnist: IDX; drive, fets); "
+                    "it must exist and hold them. Unset: $BFEDJAX_DATA_DIR, Debian's folder, TFDS.")
 flags.DEFINE_string("tfds_data_dir", None, "TFDS data_dir with prepared data sets.")
 flags.DEFINE_integer("max_train", None, "Subsample the training set to this many samples.")
 flags.DEFINE_integer("max_test", None, "Subsample the test set to this many samples.")
-flags.DEFINE_bool("fallback_to_digits", False, "If the data set cannot be had, print a notice and use digits.")
+flags.DEFINE_bool("fallback_to_digits", False, "If the data set cannot be had, print a notice and use digits "
+                  "(not when an explicit --data_dir is wrong).")
+flags.DEFINE_bool("allow_nonfinite_inputs", False, "Keep loaded inputs that hold NaN/Inf (one warning line with "
+                  "the counts) instead of stopping; e.g. to see how the algorithms cope with a poisoned client.")
 flags.DEFINE_enum("partition", "dirichlet_per_class", list(bf.data.PARTITIONERS) + ["institutions"],
                   "How the training set is split over clients (institutions: one client per institution of a data "
                   "set that records them, --dataset=fets).")
@@ -72,6 +82,14 @@ flags.DEFINE_float("validation_fraction", 0.1, "abavg: stratified fraction of th
                    "out for validation.")
 flags.DEFINE_list("client_weights", None, "Override pi_n = m_n/m with these N weights (e.g. 0.51,0.49), or "
                   "'uniform' for the unweighted cohort mean (FedReg's experiments).")
+# Faults and attacks.
+flags.DEFINE_enum("attack", "none", ["none"] + list(bf.core.ATTACKS), "Simulated malicious clients: sign_flip "
+                  "(reversed update), scale (boosted update), noise (N(0, s^2) update), label_flip (labels K-1-y).")
+flags.DEFINE_float("attack_fraction", 0.2, "--attack: share of the clients that attack (seeded by --seed).")
+flags.DEFINE_float("attack_scale", None, "--attack=sign_flip/scale: the update's factor (default 1 / 10).")
+flags.DEFINE_float("attack_noise_std", 1.0, "--attack=noise: standard deviation of the sent update.")
+flags.DEFINE_enum("on_nonfinite", "drop", ["drop", "stop"], "A client that sends NaN or Inf is left out of the "
+                  "aggregation and counted (drop), or also stops the run naming the round and the client (stop).")
 # Rounds.
 flags.DEFINE_integer("rounds", 10, "Federated rounds R.")
 flags.DEFINE_integer("clients_per_round", None, "Cohort size K (default: all clients).")
@@ -105,7 +123,8 @@ flags.DEFINE_list("targets", ["0.5", "0.7", "0.8"], "GA thresholds for rounds-to
 
 for _name in ("num_clients", "rounds"):
     flags.register_validator(_name, lambda v: v is not None and v >= 1, message=f"--{_name} must be >= 1")
-flags.register_validator("alpha", lambda v: v > 0, message="--alpha must be > 0 (e.g. --alpha=0.01)")
+flags.register_validator("alpha", lambda v: 0 < v < float("inf"),
+                         message="--alpha must be > 0 and finite (e.g. --alpha=0.01)")
 flags.register_validator("clients_per_round", lambda v: v is None or v >= 1, message="--clients_per_round must be >= 1")
 flags.register_validator("participation", lambda v: v is None or 0 < v <= 1,
                          message="--participation must be in (0, 1], e.g. --participation=0.1")
@@ -114,6 +133,9 @@ flags.register_validator("pretrain_validation_fraction", lambda v: 0 <= v < 1,
                          message="--pretrain_validation_fraction must be in [0, 1), e.g. 0.1")
 flags.register_validator("pretrain_fraction", lambda v: 0 <= v < 1,
                          message="--pretrain_fraction must be in [0, 1), e.g. --pretrain_fraction=0.1")
+flags.register_validator("attack_fraction", lambda v: 0 <= v <= 1,
+                         message="--attack_fraction must be in [0, 1], e.g. 0.2")
+flags.register_validator("attack_noise_std", lambda v: v > 0, message="--attack_noise_std must be > 0, e.g. 1.0")
 flags.register_validator("straggler_fraction", lambda v: 0 <= v <= 1,
                          message="--straggler_fraction must be in [0, 1], e.g. 0.5")
 flags.register_validator("validation_fraction", lambda v: 0 < v < 1,
@@ -123,6 +145,13 @@ flags.register_validator("lr_decay_rate", lambda v: 0 < v < 1, message="--lr_dec
 flags.register_validator("test_samples", lambda v: v >= 1, message="--test_samples must be >= 1")
 flags.register_validator("round_fractions", lambda v: v is None or all(_is_fraction(f) for f in v),
                          message="--round_fractions must be numbers in (0, 1], e.g. 0.5,0.7,0.9")
+flags.register_validator("hidden", lambda v: all(h.isdigit() and int(h) >= 1 for h in v),
+                         message="--hidden must be widths >= 1, e.g. --hidden=200,200")
+flags.register_validator("targets", lambda v: all(_is_fraction(t) for t in v),
+                         message="--targets must be accuracies in (0, 1], e.g. 0.5,0.7")
+flags.register_validator("client_weights", lambda v: v is None or v == ["uniform"]
+                         or all(_is_number(w) and float(w) >= 0 for w in v),
+                         message="--client_weights must be numbers >= 0 (e.g. 0.51,0.49) or 'uniform'")
 flags.register_multi_flags_validator(
     ["clients_per_round", "num_clients"],
     lambda f: f["clients_per_round"] is None or f["clients_per_round"] <= f["num_clients"],
@@ -139,8 +168,12 @@ flags.register_multi_flags_validator(
 
 
 def _is_fraction(text: str) -> bool:
+    return _is_number(text) and 0 < float(text) <= 1
+
+
+def _is_number(text: str) -> bool:
     try:
-        return 0 < float(text) <= 1
+        return np.isfinite(float(text))
     except ValueError:
         return False
 
@@ -175,27 +208,50 @@ def make_task(dataset, model):
 
 
 def parse_class_groups(text: str) -> list[list[int]]:
-    """'0-4;5-9' or '0,2,4;1,3' -> [[0..4], [5..9]]."""
+    """'0-4;5-9' or '0,2,4;1,3' -> [[0..4], [5..9]]; a ``UsageError`` for text of another form."""
     groups = []
-    for part in text.split(";"):
-        labels = []
-        for item in part.split(","):
-            item = item.strip()
-            if "-" in item:
-                lo, hi = item.split("-")
-                labels.extend(range(int(lo), int(hi) + 1))
-            elif item:
-                labels.append(int(item))
-        groups.append(labels)
+    try:
+        for part in text.split(";"):
+            labels = []
+            for item in part.split(","):
+                item = item.strip()
+                if "-" in item:
+                    lo, hi = item.split("-")
+                    labels.extend(range(int(lo), int(hi) + 1))
+                elif item:
+                    labels.append(int(item))
+            groups.append(labels)
+    except ValueError:
+        raise app.UsageError(f"--class_groups={text!r} is not ';'-separated label ranges or lists; fix: e.g. "
+                             "--class_groups='0-4;5-9' or '0,2,4;1,3'") from None
     return groups
 
 
+def _load(name: str, **kwargs):
+    """``bf.data.load``, with a ``NonFiniteInputsWarning`` (--allow_nonfinite_inputs) as one ``warning: ...`` line."""
+    original = warnings.showwarning
+
+    def show(message, category, *args, **kw):
+        if issubclass(category, bf.data.NonFiniteInputsWarning):
+            print(f"warning: {message}", file=sys.stderr, flush=True)
+        else:
+            original(message, category, *args, **kw)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", bf.data.NonFiniteInputsWarning)
+        warnings.showwarning = show
+        return bf.data.load(name, **kwargs)
+
+
 def load_dataset():
+    """--dataset, checked by ``bf.data.load``; --fallback_to_digits when it cannot be had (not for a wrong
+    --data_dir)."""
     try:
-        return bf.data.load(FLAGS.dataset, FLAGS.data_dir, tfds_data_dir=FLAGS.tfds_data_dir,
-                            max_train=FLAGS.max_train, max_test=FLAGS.max_test, seed=FLAGS.seed, pixels=FLAGS.pixels)
+        return _load(FLAGS.dataset, data_dir=FLAGS.data_dir, tfds_data_dir=FLAGS.tfds_data_dir,
+                     max_train=FLAGS.max_train, max_test=FLAGS.max_test, seed=FLAGS.seed, pixels=FLAGS.pixels,
+                     allow_nonfinite=FLAGS.allow_nonfinite_inputs)
     except bf.data.DataUnavailableError as err:
-        if not FLAGS.fallback_to_digits:
+        if not FLAGS.fallback_to_digits or isinstance(err, bf.data.DataDirNotFoundError):
             raise
         print(f"NOTICE: {FLAGS.dataset} is not available here ({str(err).splitlines()[0][:200]}); "
               "falling back to scikit-learn's digits.", flush=True)
@@ -226,7 +282,8 @@ def make_federation(dataset):
 def institution_parts(dataset):
     """--partition=institutions: client k holds the training rows of the data set's institution k."""
     if dataset.client_ids is None:
-        raise app.UsageError("--partition=institutions needs a data set with institutions (--dataset=fets)")
+        raise app.UsageError("--partition=institutions needs a data set with institutions (--dataset=fets); fix: "
+                             "--dataset=fets or another --partition")
     if len(dataset.client_ids) != len(dataset.y_train):  # e.g. rows taken away by --pretrain_disjoint
         raise app.UsageError(f"--partition=institutions: {dataset.name}'s institutions no longer match its "
                              "training rows; fix: drop --pretrain_disjoint")
@@ -264,6 +321,9 @@ def make_partition(labels):
     if labels.ndim > 1 and scheme not in ("iid", "nested"):
         raise app.UsageError(f"--partition={scheme} splits by class label; segmentation masks have none; fix: "
                              "--partition=nested (FedRef's) or iid")
+    if scheme == "nested" and FLAGS.num_clients > len(labels):  # every client holds all m samples
+        raise app.UsageError(f"--partition=nested gives each client all {len(labels)} training samples; --num_clients="
+                             f"{FLAGS.num_clients} copies are too many; fix: --num_clients <= {len(labels)}")
     kwargs = {}
     if scheme.startswith("dirichlet"):
         kwargs["alpha"] = FLAGS.alpha
@@ -274,7 +334,8 @@ def make_partition(labels):
     if scheme == "class_groups":
         groups = parse_class_groups(FLAGS.class_groups)
         if len(groups) != FLAGS.num_clients:
-            raise app.UsageError(f"--class_groups has {len(groups)} groups but --num_clients={FLAGS.num_clients}")
+            raise app.UsageError(f"--class_groups has {len(groups)} groups but --num_clients={FLAGS.num_clients}; "
+                                 f"fix: --num_clients={len(groups)}")
         return bf.data.class_groups(labels, groups, seed=FLAGS.seed)
     return bf.data.partition(labels, scheme, FLAGS.num_clients, seed=FLAGS.seed, **kwargs)
 
@@ -285,6 +346,27 @@ def make_model(num_classes: int):
                                    dropout_rate=FLAGS.dropout_rate)
     except ValueError as err:
         raise app.UsageError(f"{err} (--model / --dropout_rate)") from None
+
+
+def check_model_fits(model, dataset, task, flag: str | None = None) -> None:
+    """A ``UsageError`` when ``model`` (``flag``: the flag that chose it, default --model) cannot take --dataset's
+    inputs (LeNet's pooling on 8x8 digits) or, for classification, does not output one score per class (a
+    U-Net); traced abstractly, nothing is computed."""
+    import jax
+    import jax.numpy as jnp
+    flag = flag or f"--model={FLAGS.model}"
+    shape = dataset.x_train.shape[1:]
+    try:
+        out = jax.eval_shape(lambda key, x: model.init_with_output(key, x)[0], jax.random.PRNGKey(0),
+                             jax.ShapeDtypeStruct((1, *shape), jnp.float32))
+    except (ZeroDivisionError, ValueError, TypeError) as err:
+        raise app.UsageError(f"{flag} does not fit {dataset.name}'s inputs of shape {shape} "
+                             f"({type(err).__name__}: {' '.join(str(err).split())[:120]}); fix: --model=mlp or "
+                             "logistic, or a data set of larger images (e.g. --dataset=mnist_5k)") from None
+    if task is None and out.shape != (1, dataset.num_classes):
+        raise app.UsageError(f"{flag} outputs {out.shape[1:]} per input, not {dataset.num_classes} "
+                             "class scores; fix: a classifier such as --model=mlp (--model=unet is for "
+                             "--task=segmentation)")
 
 
 def learning_rate_fn():
@@ -303,7 +385,9 @@ def round_line(record) -> str:
                 f"HD95 {record['global_hd95']:.2f}  {end}")
     la = record.get("local_accuracy", float("nan"))
     ca = f"  CA {record['client_test_accuracy']:.4f}" if "client_test_accuracy" in record else ""
-    return f"round {record['round']:4d}  GA {record['global_accuracy']:.4f}  LA {la:.4f}{ca}  {end}"
+    dropped = f"  ({int(record['nonfinite_clients'])} non-finite clients left out)" if record.get(
+        "nonfinite_clients") else ""
+    return f"round {record['round']:4d}  GA {record['global_accuracy']:.4f}  LA {la:.4f}{ca}  {end}{dropped}"
 
 
 def final_uncertainty(algorithm, server, fed) -> dict:
@@ -320,53 +404,100 @@ def final_uncertainty(algorithm, server, fed) -> dict:
     return {k: float(v) for k, v in out.items() if jnp.ndim(v) == 0}
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {argv[1:]}; flags take the form --name=value")
-    logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
-    import jax
+@dataclasses.dataclass
+class Experiment:
+    """What :func:`setup` makes of the flags: everything a run needs before its first round."""
 
+    dataset: Any                # bf.data.Dataset (minus --pretrain_disjoint / abavg's held-out rows)
+    fed: Any                    # bf.data.FederatedData
+    algorithm: Any              # bf.Algorithm
+    task: Any                   # bf.tasks.Task, or None for classification
+    client_groups: Any          # hbfl/fml's client-to-architecture map, or None
+    client_weights: Any         # None, "uniform" or N floats (--client_weights)
+    server_data: tuple | None   # (x, y) held out for --pretrain_fraction, or None
+    attack: Any                 # bf.core.Attack (--attack), or None
+
+
+def parse(argv: Sequence[str]) -> list[str]:
+    """Parses the command line ``argv`` (``argv[0]``: the program) into FLAGS afresh; returns the rest."""
+    FLAGS.unparse_flags()
+    return FLAGS(list(argv))
+
+
+def prepare(argv: Sequence[str]) -> Experiment:
+    """:func:`setup` for the command line ``argv``, parsed afresh (in-process runs and tests)."""
+    return setup(parse(argv))
+
+
+def setup(argv: Sequence[str] = ("run",)) -> Experiment:
+    """Checks the parsed flags, loads and validates the data, partitions it, builds the model and the algorithm.
+
+    ``argv`` is what flag parsing left (only the program name is allowed). A bad command line raises one of
+    ``experiments.errors.user_errors()`` (``app.UsageError``, ``ValueError``, ``DataUnavailableError``, ...),
+    whose message is one line ending in ``fix: ...``; nothing is trained or written.
+    """
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {list(argv[1:])}; fix: flags take the form --name=value")
+    if FLAGS.abavg_accuracy_source == "client_test" and not FLAGS.client_test_splits:
+        raise app.UsageError("--abavg_accuracy_source=client_test: the clients report accuracy on their own test "
+                             "splits; fix: add --client_test_splits")
     dataset = load_dataset()
-    held_out = None
+    server_data = None
     if FLAGS.pretrain_fraction > 0:
         dataset, held_out = split_server_data(dataset, FLAGS.pretrain_fraction, FLAGS.seed)
-        server_x, server_y = dataset.x_train[held_out], dataset.y_train[held_out]
+        server_data = dataset.x_train[held_out], dataset.y_train[held_out]
         if FLAGS.pretrain_disjoint:
             keep = np.setdiff1d(np.arange(len(dataset.y_train)), held_out)
             dataset = dataclasses.replace(dataset, x_train=dataset.x_train[keep], y_train=dataset.y_train[keep])
     setting = {}
-    if FLAGS.abavg_accuracy_source == "client_test" and not FLAGS.client_test_splits:
-        raise app.UsageError("--abavg_accuracy_source=client_test: the clients report accuracy on their own test "
-                             "splits; fix: add --client_test_splits")
     if FLAGS.algorithm == "abavg" and FLAGS.abavg_accuracy_source in (None, "server_validation"):
         dataset, setting["validation"] = bf.data.holdout(dataset, FLAGS.validation_fraction, FLAGS.seed)
+        if len(setting["validation"][1]) == 0:
+            raise app.UsageError(f"--validation_fraction={FLAGS.validation_fraction} of {len(dataset.y_train)} "
+                                 "training samples holds out none for abavg; fix: raise --validation_fraction or "
+                                 "--max_train")
     model = make_model(dataset.num_classes)
     task = make_task(dataset, model)
+    check_model_fits(model, dataset, task)
     if task is not None:
         setting["task"] = task
     fed = make_federation(dataset)
     architectures, client_groups = architecture_setting(dataset, model)
+    for local in architectures.get("local_models", ()):
+        check_model_fits(local, dataset, task, f"--client_architectures={FLAGS.client_architectures}")
     algorithm = algorithm_flags.build(FLAGS, model, fed, {**setting, **architectures})
     if FLAGS.augment != "none":
         if dataset.x_train.ndim != 4:
             raise app.UsageError(f"--augment={FLAGS.augment} needs image data [N, H, W, C]; {dataset.name} has "
                                  f"shape {dataset.x_train.shape[1:]}; fix: --augment=none")
         algorithm = bf.data.augmented(algorithm, bf.data.AUGMENTATIONS[FLAGS.augment])
+    weights = FLAGS.client_weights
+    if weights:
+        weights = "uniform" if weights == ["uniform"] else [float(w) for w in weights]
+    attack = None
+    if FLAGS.attack != "none":
+        attack = bf.core.Attack(FLAGS.attack, FLAGS.attack_fraction, seed=FLAGS.seed, scale=FLAGS.attack_scale,
+                                noise_std=FLAGS.attack_noise_std)
+    return Experiment(dataset, fed, algorithm, task, client_groups, weights, server_data, attack)
+
+
+def main(argv):
+    logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
+    import jax
+
+    run = setup(argv)
+    dataset, fed, algorithm, task = run.dataset, run.fed, run.algorithm, run.task
     init_server = None
-    if held_out is not None:
+    if run.server_data is not None:
+        server_x, server_y = run.server_data
         init_server = bf.core.pretrain(algorithm, server_x, server_y, epochs=FLAGS.pretrain_epochs,
                                        key=jax.random.PRNGKey(FLAGS.seed + 10_000), num_classes=dataset.num_classes,
                                        validation_fraction=FLAGS.pretrain_validation_fraction,
                                        patience=FLAGS.pretrain_patience)
         stopping = " at most, stopping early" if FLAGS.pretrain_validation_fraction else ""
-        print(f"pre-trained the server model on {len(held_out)} training samples for {FLAGS.pretrain_epochs} "
+        print(f"pre-trained the server model on {len(server_y)} training samples for {FLAGS.pretrain_epochs} "
               f"epochs{stopping}"
               f"{' (removed from the clients)' if FLAGS.pretrain_disjoint else ''}", flush=True)
-    weights = FLAGS.client_weights
-    if weights and weights != ["uniform"]:
-        weights = [float(w) for w in weights]
-    elif weights:
-        weights = "uniform"
 
     os.makedirs(FLAGS.output_dir, exist_ok=True)
     checkpoints = os.path.join(FLAGS.output_dir, "checkpoints")
@@ -388,11 +519,11 @@ def main(argv):
             algorithm, fed, rounds=FLAGS.rounds, key=jax.random.PRNGKey(FLAGS.seed),
             clients_per_round=FLAGS.clients_per_round, participation=FLAGS.participation,
             clients_per_chunk=FLAGS.clients_per_chunk,
-            backend=FLAGS.backend, client_weights=weights, evaluate_local=FLAGS.evaluate_local,
+            backend=FLAGS.backend, client_weights=run.client_weights, evaluate_local=FLAGS.evaluate_local,
             checkpoint_dir=checkpoints, on_round=on_round, init_server=init_server,
-            hparams_fn=learning_rate_fn(), client_groups=client_groups, straggler_fraction=FLAGS.straggler_fraction,
-            straggler_weighting=FLAGS.straggler_weighting,
-            round_fractions=round_fractions())
+            hparams_fn=learning_rate_fn(), client_groups=run.client_groups,
+            straggler_fraction=FLAGS.straggler_fraction, straggler_weighting=FLAGS.straggler_weighting,
+            round_fractions=round_fractions(), attack=run.attack, on_nonfinite=FLAGS.on_nonfinite)
     with open(metrics_path, "w") as sink:  # complete history, restored rounds included
         for r in range(len(result.metrics["round"])):
             sink.write(json.dumps({k: v[r] for k, v in result.metrics.items()}) + "\n")
@@ -428,4 +559,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    errors.run(main)

@@ -1,4 +1,5 @@
 """Run by tests/test_sharding.py in a process with 8 forced CPU devices: 8-device results equal 1-device ones."""
+import dataclasses
 import os
 import sys
 
@@ -16,6 +17,7 @@ data = bf.data.load("digits")
 parts = bf.data.partition(data.y_train[:500], "dirichlet_per_class", 5, seed=0, alpha=0.5)
 fed = bf.data.stack_clients(data.x_train[:500], data.y_train[:500], parts, x_test=data.x_test, y_test=data.y_test,
                             num_classes=10)
+nan_fed = dataclasses.replace(fed, x=np.where(np.arange(5)[:, None, None, None, None] == 3, np.nan, fed.x))
 model = bf.models.get_model("mlp", 10, hidden=(16,))
 mesh = client_mesh()
 cases = {
@@ -23,15 +25,20 @@ cases = {
     "fedcurv_loo_round_subsets": (bf.algorithms.fedcurv(model, lr=0.1, batch_size=16, variant="leave_one_out"),
                                   {"round_fractions": (0.5, 0.9)}),
     "scaffold_sampled": (bf.algorithms.scaffold(model, num_clients=5, lr=0.1, batch_size=16), {"clients_per_round": 3}),
-    "readme_fedavg_momentum_sampled": (run_readme_code(definition_only=True)["fedavg_momentum"](model),
-                                       {"clients_per_chunk": 2, "clients_per_round": 3}),
+    # streamed chunks with a NaN client (dropped) and two sign-flipping attackers
+    "readme_fedavg_momentum_sampled_nan_attacked": (
+        run_readme_code(definition_only=True)["fedavg_momentum"](model),
+        {"clients_per_chunk": 2, "clients_per_round": 4, "fed": nan_fed, "attack": bf.core.Attack("sign_flip", 0.4)}),
     "hbfl_groups_sampled": (bf.algorithms.hbfl(model, input_shape=(8, 8, 1), batch_size=16, local_models=(
         bf.models.get_model("mlp", 10, hidden=(8,)), bf.models.get_model("logistic", 10))),
         {"clients_per_round": 3, "client_groups": [0, 0, 1, 1, 1]}),
 }
 for name, (algo, kwargs) in cases.items():
-    run = lambda m: bf.simulate(algo, fed, rounds=2, key=jax.random.PRNGKey(0), mesh=m, **kwargs)
+    data_of_case = kwargs.pop("fed", fed)
+    run = lambda m: bf.simulate(algo, data_of_case, rounds=2, key=jax.random.PRNGKey(0), mesh=m, **kwargs)
     one, eight = run(None), run(mesh)
+    assert one.metrics["nonfinite_clients"] == eight.metrics["nonfinite_clients"]
+    assert (sum(one.metrics["nonfinite_clients"]) > 0) == (data_of_case is nan_fed), one.metrics["nonfinite_clients"]
     np.testing.assert_allclose(one.metrics["global_accuracy"], eight.metrics["global_accuracy"], atol=1e-6)
     np.testing.assert_allclose(one.metrics["local_accuracy"], eight.metrics["local_accuracy"], atol=1e-6)
     chex.assert_trees_all_close(one.state.server, eight.state.server, rtol=1e-5, atol=1e-6)

@@ -194,9 +194,9 @@ def test_missing_data_gives_one_clear_line(tmp_path, monkeypatch):
     tfds_dir = tmp_path / "tfds"
     tfds_dir.mkdir()
     monkeypatch.setenv(ENV_DATA_DIR, str(empty))
-    assert not available("mnist", data_dir=str(empty), tfds_data_dir=str(tfds_dir))
-    with pytest.raises(DataUnavailableError) as info:
-        load("mnist", data_dir=str(empty), tfds_data_dir=str(tfds_dir))
+    assert not available("mnist", tfds_data_dir=str(tfds_dir))
+    with pytest.raises(DataUnavailableError) as info:  # the default search: env folder, then TFDS
+        load("mnist", tfds_data_dir=str(tfds_dir))
     msg = str(info.value)
     assert "\n" not in msg
     assert msg.startswith("mnist:")
@@ -224,7 +224,7 @@ def test_tfds_mocked_cifar10_mnist_emnist(tmp_path, monkeypatch):
         assert c.x_train.min() >= -1.0 and c.x_train.max() <= 1.0  # (x - 0.5) / 0.5
         assert c.y_train.min() >= 0 and c.y_train.max() < 10
 
-        m = load("mnist", data_dir=str(empty), tfds_data_dir=str(tmp_path))
+        m = load("mnist", tfds_data_dir=str(tmp_path))  # the env folder is empty: TFDS
         assert m.source == "tfds:mnist" and m.x_train.shape == (8, 28, 28, 1)
         lo, hi = (0 - 0.1307) / 0.3081, (1 - 0.1307) / 0.3081
         assert m.x_train.min() >= lo - 1e-5 and m.x_train.max() <= hi + 1e-5

@@ -104,8 +104,9 @@ def test_resume_from_checkpoint_gives_the_same_run(small_fed, tiny_model, tmp_pa
     straight = bf.simulate(algo, small_fed, rounds=3, key=key, evaluate_local=False)
     bf.simulate(algo, small_fed, rounds=2, key=key, evaluate_local=False, checkpoint_dir=str(tmp_path))
     resumed = bf.simulate(algo, small_fed, rounds=3, key=key, evaluate_local=False, checkpoint_dir=str(tmp_path))
-    np.testing.assert_allclose(resumed.metrics["global_accuracy"], straight.metrics["global_accuracy"])
-    chex.assert_trees_all_close(resumed.state, straight.state, rtol=1e-6)
+    for name in straight.metrics.keys() - {"seconds"}:  # bitwise: two runs (rounds 1-2) and a resume (round 3)
+        np.testing.assert_array_equal(resumed.metrics[name], straight.metrics[name], err_msg=name)
+    chex.assert_trees_all_equal(resumed.state, straight.state)
     with pytest.raises(ValueError, match="at round 3 > rounds=2"):
         bf.simulate(algo, small_fed, rounds=2, key=key, evaluate_local=False, checkpoint_dir=str(tmp_path))
 

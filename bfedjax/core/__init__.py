@@ -1,13 +1,15 @@
 """Core: the algorithm contract, batching, the round engine and the simulation loop (jax only)."""
-from bfedjax.core import sharding
+from bfedjax.core import attacks, sharding
+from bfedjax.core.attacks import ATTACKS, Attack
 from bfedjax.core.engine import (BACKENDS, Cohort, EngineState, RoundArrays, RoundConfig, StageError, init_state,
                                  local_training, make_round_step, sample_cohort)
 from bfedjax.core.schedules import SCHEDULES, lr_schedule
-from bfedjax.core.simulate import (CLIENT_WEIGHTINGS, SimulationResult, cohort_size, patience_reached, pretrain,
-                                   round_arrays, simulate, traced_hparams)
+from bfedjax.core.simulate import (CLIENT_WEIGHTINGS, NonFiniteClientError, SimulationResult, cohort_size,
+                                   patience_reached, pretrain, round_arrays, simulate, traced_hparams)
 from bfedjax.core.types import Algorithm, Batch, ClientContext, ClientData
 
-__all__ = ["sharding", "BACKENDS", "CLIENT_WEIGHTINGS", "Algorithm", "Batch", "ClientContext", "ClientData", "Cohort",
-           "EngineState", "RoundArrays", "RoundConfig", "SCHEDULES", "SimulationResult", "StageError", "cohort_size",
+__all__ = ["attacks", "sharding", "ATTACKS", "BACKENDS", "CLIENT_WEIGHTINGS", "Algorithm", "Attack", "Batch",
+           "ClientContext", "ClientData", "Cohort", "EngineState", "NonFiniteClientError", "RoundArrays", "RoundConfig",
+           "SCHEDULES", "SimulationResult", "StageError", "cohort_size",
            "init_state", "local_training", "lr_schedule", "make_round_step", "patience_reached", "pretrain",
            "round_arrays", "sample_cohort", "simulate", "traced_hparams"]

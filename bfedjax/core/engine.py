@@ -59,6 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bfedjax.core.attacks import Attack, attacked_messages
 from bfedjax.core.batching import batch_is_real, epoch_permutation, take_batch
 from bfedjax.core.types import Algorithm, ClientContext, ClientData
 from bfedjax.tree import tree_stack, weighted_sum
@@ -68,6 +69,7 @@ SERVER_KEY_STREAM = 0x5E5E  # the server's key is fold_in(round key, this): samp
 STRAGGLER_KEY_STREAM = 0x57A6  # the straggler draw's key: fold_in(round key, this)
 SUBSET_KEY_STREAM = 0x5B5E  # the round-subset draw's key: fold_in(round key, this)
 STRAGGLER_WEIGHTINGS = ("unchanged", "by_epochs")
+NONFINITE_POLICIES = ("drop", "stop")
 NO_BUDGET = jnp.iinfo(jnp.int32).max  # a step budget that never binds
 
 
@@ -89,6 +91,7 @@ class RoundArrays(NamedTuple):
     x_test: ``[T, ...]``; y_test: ``[T, ...]``: the global test set.
     Optional per-client test splits (``None`` when the federation has none):
     x_test_clients ``[N, max_t, ...]``, y_test_clients ``[N, max_t, ...]``, test_counts ``[N]`` int32.
+    malicious: ``[N]`` float32, 1 for a client that attacks (``RoundConfig.attack``), or ``None``.
     """
 
     x: jax.Array
@@ -101,6 +104,7 @@ class RoundArrays(NamedTuple):
     x_test_clients: jax.Array | None = None
     y_test_clients: jax.Array | None = None
     test_counts: jax.Array | None = None
+    malicious: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +124,10 @@ class RoundConfig:
       ``"by_epochs"`` (its weight is scaled by ``x / E``, i.e. ``q_k`` proportional to ``n_k x / E``).
     round_fractions: fractions in (0, 1]; each round every client trains on the first
       ``round(f * n_k)`` rows of its data, ``f`` drawn uniformly from them (``None``: all rows).
+    attack: what the malicious clients (``RoundArrays.malicious``) send (``attacks.Attack``; ``None``: nobody attacks).
+    on_nonfinite: a client whose message or new persistent state holds NaN or Inf is always left
+      out of the round (mask and weight 0, the others renormalised; ``nonfinite_clients`` counts
+      them); ``"stop"`` also reports ``first_nonfinite_client`` so ``simulate`` can stop the run.
     """
 
     num_clients: int
@@ -131,6 +139,8 @@ class RoundConfig:
     straggler_fraction: float = 0.0
     straggler_weighting: str = "unchanged"
     round_fractions: tuple[float, ...] | None = None
+    attack: Attack | None = None
+    on_nonfinite: str = "drop"
 
     def __post_init__(self):
         if not 1 <= self.clients_per_round <= self.num_clients:
@@ -146,6 +156,8 @@ class RoundConfig:
             object.__setattr__(self, "client_groups", groups)
         if not 0.0 <= self.straggler_fraction <= 1.0:
             raise ValueError(f"straggler_fraction={self.straggler_fraction} must be in [0, 1], e.g. 0.5")
+        if self.on_nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"on_nonfinite={self.on_nonfinite!r}; choose one of {NONFINITE_POLICIES}")
         if self.straggler_weighting not in STRAGGLER_WEIGHTINGS:
             raise ValueError(f"straggler_weighting={self.straggler_weighting!r}; choose one of {STRAGGLER_WEIGHTINGS}")
         if self.round_fractions is not None:
@@ -487,19 +499,64 @@ def _kept_if_nobody_counts(new_server, old_server, weights, mask):
     return jax.tree.map(lambda new, old: jnp.where(counts, new, old), new_server, old_server)
 
 
-def _finish(algorithm, config, state, arrays, cohort, messages, client_metrics, persistent, hparams, server_key):
-    """Aggregation of the cohort's stacked messages ``[Kp, ...]`` and evaluation (all backends)."""
+def finite_rows(tree, slots: int) -> jax.Array:
+    """``[C]`` bool: every floating leaf of ``tree`` (leaves ``[C, ...]``) is finite in row ``c``."""
+    ok = jnp.ones((slots,), bool)
+    for x in jax.tree.leaves(tree):
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            ok = ok & jnp.all(jnp.isfinite(jnp.reshape(x, (slots, -1))), axis=1)
+    return ok
+
+
+def _attacked(algorithm, config, state, arrays, ids, keys, messages):
+    """The slots' messages after the malicious clients' attack (unchanged without one)."""
+    if config.attack is None or arrays.malicious is None:
+        return messages
+    n = arrays.malicious.shape[0]
+    malicious = (ids < n) & (arrays.malicious[jnp.minimum(ids, n - 1)] > 0)
+    return attacked_messages(config.attack, messages, algorithm.global_params(state.server), malicious, keys)
+
+
+def _fault_metrics(config, ids, bad) -> dict:
+    """``nonfinite_clients`` (and ``first_nonfinite_client``, -1 if none, with ``on_nonfinite="stop"``)."""
+    metrics = {"nonfinite_clients": jnp.sum(bad).astype(jnp.float32)}
+    if config.on_nonfinite == "stop":
+        first = jnp.min(jnp.where(bad, ids, jnp.iinfo(jnp.int32).max))
+        metrics["first_nonfinite_client"] = jnp.where(jnp.any(bad), first, -1).astype(jnp.float32)
+    return metrics
+
+
+def _without_nonfinite(config, cohort: Cohort, messages, finite):
+    """``(cohort, messages, metrics)`` with the real slots whose values are not finite left out:
+    mask and weight 0 (the others renormalised, only when someone was dropped), message zeroed."""
+    bad = (cohort.mask > 0) & ~finite
+    weights = jnp.where(bad, 0.0, cohort.weights)
+    weights = jnp.where(jnp.any(bad), weights / jnp.maximum(jnp.sum(weights), 1e-30), cohort.weights)
+    cohort = cohort._replace(mask=jnp.where(bad, 0.0, cohort.mask), weights=weights)
+    messages = jax.tree.map(lambda m: jnp.where(jnp.reshape(finite, (-1,) + (1,) * (m.ndim - 1)), m,
+                                                jnp.zeros_like(m)), messages)
+    return cohort, messages, _fault_metrics(config, cohort.ids, bad)
+
+
+def _finish(algorithm, config, state, arrays, cohort, messages, client_metrics, finite, persistent, hparams,
+            server_key):
+    """Attack, non-finite check, aggregation of the cohort's stacked messages ``[Kp, ...]`` and evaluation
+    (all backends). ``finite [Kp]``: the slots whose new persistent state is finite."""
+    messages = _attacked(algorithm, config, state, arrays, cohort.ids, cohort.keys, messages)
+    finite = finite & finite_rows(messages, cohort.ids.shape[0])
+    cohort, messages, fault_metrics = _without_nonfinite(config, cohort, messages, finite)
     server, server_metrics = algorithm.aggregate(state.server, messages, cohort.weights, cohort.mask, hparams,
                                                  server_key)
     server = _kept_if_nobody_counts(server, state.server, cohort.weights, cohort.mask)
     local_sums = _local_metric_sums(algorithm, config, arrays, messages, cohort.weights, cohort.mask)
-    metrics = _round_metrics(algorithm, arrays, server, server_metrics, _client_metric_sums(client_metrics, cohort.mask),
-                             cohort.mask, local_sums)
+    metrics = _round_metrics(algorithm, arrays, server, {**server_metrics, **fault_metrics},
+                             _client_metric_sums(client_metrics, cohort.mask), cohort.mask, local_sums)
     return EngineState(server, persistent), metrics
 
 
-def _streamed_group(algorithm, config, arrays, sub, train, persistent, group):
-    """One group's chunks under ``lax.scan`` into running sums of ``(client_stats, client metrics, local metrics)``."""
+def _streamed_group(algorithm, config, state, arrays, sub, train, persistent, group):
+    """One group's chunks under ``lax.scan`` into running sums of ``(client_stats, client metrics,
+    local metrics, (kept weight, dropped clients, first dropped id))``; non-finite clients drop out."""
     chunk = config.clients_per_chunk
     n_chunks = sub.ids.shape[0] // chunk
     split = lambda a: a.reshape((n_chunks, chunk) + a.shape[1:])
@@ -507,23 +564,36 @@ def _streamed_group(algorithm, config, arrays, sub, train, persistent, group):
 
     def chunk_sums(ids, mask, w, keys, budgets):
         messages, new_persistent, client_metrics = train(ids, keys, budgets)
+        messages = _attacked(algorithm, config, state, arrays, ids, keys, messages)
+        finite = finite_rows((messages, new_persistent), chunk)
+        bad = (mask > 0) & ~finite
+        mask, w = jnp.where(bad, 0.0, mask), jnp.where(bad, 0.0, w)
+        messages = jax.tree.map(lambda m: jnp.where(jnp.reshape(finite, (-1,) + (1,) * (m.ndim - 1)), m,
+                                                    jnp.zeros_like(m)), messages)
+        dropped = (jnp.sum(w), jnp.sum(bad).astype(jnp.float32),
+                   jnp.min(jnp.where(bad, ids, jnp.iinfo(jnp.int32).max)))
         sums = (weighted_sum(jax.vmap(algorithm.client_stats)(messages), w),
                 _client_metric_sums(client_metrics, mask),
-                _local_metric_sums(algorithm, config, arrays, messages, w, mask))
-        return sums, new_persistent
+                _local_metric_sums(algorithm, config, arrays, messages, w, mask), dropped)
+        return sums, (new_persistent, mask)
 
     shapes = jax.eval_shape(lambda: chunk_sums(*(c[0] for c in chunks))[0])
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    zeros = zeros[:3] + ((zeros[3][0], zeros[3][1], jnp.int32(jnp.iinfo(jnp.int32).max)),)
+
+    def add(total, new):
+        (kept, count, first), (new_kept, new_count, new_first) = total[3], new[3]
+        return jax.tree.map(jnp.add, total[:3], new[:3]) + ((kept + new_kept, count + new_count,
+                                                            jnp.minimum(first, new_first)),)
 
     def body(carry, xs):
         sums, persistent = carry
-        new_sums, new_persistent = chunk_sums(*xs)
-        ids, mask = xs[0], xs[1]
-        persistent = _scatter(persistent, _group_rows(config, ids, group), mask, new_persistent)
-        return (jax.tree.map(jnp.add, sums, new_sums), persistent), None
+        new_sums, (new_persistent, kept) = chunk_sums(*xs)
+        persistent = _scatter(persistent, _group_rows(config, xs[0], group), kept, new_persistent)
+        return (add(sums, new_sums), persistent), None
 
     (sums, persistent), _ = jax.lax.scan(body, (zeros, persistent), chunks)
-    return sums, persistent
+    return sums, persistent, add
 
 
 def _streamed_round(algorithm, config, state, arrays, cohort, groups, trainer, hparams, server_key):
@@ -534,12 +604,23 @@ def _streamed_round(algorithm, config, state, arrays, cohort, groups, trainer, h
     """
     persistent, totals = list(state.persistent), None
     for g, _, sub in groups:
-        sums, persistent[g] = _streamed_group(algorithm, config, arrays, sub, trainer(g), persistent[g], g)
-        totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
-    stats, client_sums, local_sums = totals
-    server, server_metrics = algorithm.server_from_stats(state.server, stats, cohort.mask, hparams, server_key)
-    server = _kept_if_nobody_counts(server, state.server, cohort.weights, cohort.mask)
-    metrics = _round_metrics(algorithm, arrays, server, server_metrics, client_sums, cohort.mask, local_sums)
+        sums, persistent[g], add = _streamed_group(algorithm, config, state, arrays, sub, trainer(g), persistent[g], g)
+        totals = sums if totals is None else add(totals, sums)
+    stats, client_sums, local_sums, (kept_weight, dropped, first) = totals
+    # dropping clients leaves the weights summing to kept_weight: renormalise the (linear) sums
+    scale = jnp.where(dropped > 0, 1.0 / jnp.maximum(kept_weight, 1e-30), 1.0)
+    stats = jax.tree.map(lambda x: x * scale.astype(x.dtype), stats)
+    local_sums = {name: value * scale for name, value in local_sums.items()}
+    mask = cohort.mask  # the real count for the client-metric means: the kept clients
+    real = jnp.sum(mask) - dropped
+    server, server_metrics = algorithm.server_from_stats(state.server, stats, mask, hparams, server_key)
+    server = jax.tree.map(lambda new, old: jnp.where(kept_weight > 0, new, old), server, state.server)
+    fault_metrics = {"nonfinite_clients": dropped}
+    if config.on_nonfinite == "stop":
+        fault_metrics["first_nonfinite_client"] = jnp.where(dropped > 0, first, -1).astype(jnp.float32)
+    kept_mask = jnp.where(jnp.arange(mask.shape[0]) < real, 1.0, 0.0)  # only its sum is read
+    metrics = _round_metrics(algorithm, arrays, server, {**server_metrics, **fault_metrics}, client_sums, kept_mask,
+                             local_sums)
     return EngineState(server, tuple(persistent)), metrics
 
 
@@ -601,11 +682,13 @@ def _vmapped_round(algorithm, config, state, arrays, key, hparams):
             out = jax.lax.map(lambda args: trainer(g)(*args), (split(sub.ids), split(sub.keys), split(sub.budgets)))
             outputs = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), out)
         messages, new_persistent, client_metrics = outputs
-        persistent[g] = _scatter(persistent[g], _group_rows(config, sub.ids, g), sub.mask, new_persistent)
-        parts.append((positions, (messages, client_metrics)))
-    messages, client_metrics = _merge_groups(parts, config.padded_cohort)
-    return _finish(algorithm, config, state, arrays, cohort, messages, client_metrics, tuple(persistent), hparams,
-                   server_key)
+        finite = finite_rows(new_persistent, slots)  # a non-finite client keeps its old persistent state
+        kept = jnp.where(finite & finite_rows(messages, slots), sub.mask, 0.0)
+        persistent[g] = _scatter(persistent[g], _group_rows(config, sub.ids, g), kept, new_persistent)
+        parts.append((positions, (messages, client_metrics, finite)))
+    messages, client_metrics, finite = _merge_groups(parts, config.padded_cohort)
+    return _finish(algorithm, config, state, arrays, cohort, messages, client_metrics, finite, tuple(persistent),
+                   hparams, server_key)
 
 
 def _looped_round(algorithm, config, one_client, wrap):
@@ -617,6 +700,7 @@ def _looped_round(algorithm, config, one_client, wrap):
                                                     algorithm.local_epochs))
     finish = wrap(lambda *args: _finish(algorithm, config, *args))
     scatter = wrap(_scatter)
+    finite_one = wrap(lambda tree: finite_rows(jax.tree.map(lambda x: jnp.asarray(x)[None], tree), 1)[0])
     n, group_of = config.num_clients, config.group_of
 
     def round_step(state, arrays, key, hparams):
@@ -625,15 +709,18 @@ def _looped_round(algorithm, config, one_client, wrap):
         groups = [int(group_of[min(cid, n - 1)]) for cid in ids]
         outputs = [one_client(state, arrays, hparams, int(ids[i]), cohort.keys[i], cohort.budgets[i], groups[i])
                    for i in range(config.padded_cohort)]
+        finite = jnp.asarray([bool(finite_one(o[1])) for o in outputs])
+        kept = jnp.where(finite & jnp.asarray([bool(finite_one(o[0])) for o in outputs]), cohort.mask, 0.0)
         persistent = list(state.persistent)
         for g in range(config.num_groups):
             slots = [i for i in range(len(ids)) if ids[i] < n and groups[i] == g]
             if slots and jax.tree.leaves(persistent[g]):
                 rows = jnp.asarray(config.index_in_group[ids[slots]])
-                persistent[g] = scatter(persistent[g], rows, cohort.mask[np.asarray(slots)],
+                persistent[g] = scatter(persistent[g], rows, kept[np.asarray(slots)],
                                         tree_stack([outputs[i][1] for i in slots]))
         messages, metrics = tree_stack([o[0] for o in outputs]), tree_stack([o[2] for o in outputs])
-        return finish(state, arrays, cohort, messages, metrics, tuple(persistent), hparams, server_key_of(key))
+        return finish(state, arrays, cohort, messages, metrics, finite, tuple(persistent), hparams,
+                      server_key_of(key))
 
     return round_step
 
@@ -736,6 +823,6 @@ def _debug_round_fn(algorithm, config):
     return debug_round
 
 
-__all__ = ["BACKENDS", "NO_BUDGET", "STRAGGLER_WEIGHTINGS", "Cohort", "EngineState", "RoundArrays", "RoundConfig",
-           "StageError", "init_state", "local_training", "make_round_step", "sample_cohort", "server_key_of",
-           "straggler_epochs", "with_round_subsets"]
+__all__ = ["BACKENDS", "NONFINITE_POLICIES", "NO_BUDGET", "STRAGGLER_WEIGHTINGS", "Cohort", "EngineState",
+           "RoundArrays", "RoundConfig", "StageError", "finite_rows", "init_state", "local_training", "make_round_step",
+           "sample_cohort", "server_key_of", "straggler_epochs", "with_round_subsets"]

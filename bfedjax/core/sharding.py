@@ -44,7 +44,7 @@ def pad_clients(arrays: RoundArrays, num_clients: int) -> RoundArrays:
     return arrays._replace(x=pad(arrays.x), y=pad(arrays.y), counts=pad(arrays.counts),
                            base_weights=pad(arrays.base_weights), client_mask=pad(arrays.client_mask),
                            x_test_clients=pad(arrays.x_test_clients), y_test_clients=pad(arrays.y_test_clients),
-                           test_counts=pad(arrays.test_counts))
+                           test_counts=pad(arrays.test_counts), malicious=pad(arrays.malicious))
 
 
 def shard_arrays(arrays: RoundArrays, mesh: Mesh) -> RoundArrays:

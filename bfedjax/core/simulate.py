@@ -13,8 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bfedjax.core.attacks import Attack, flip_labels
 from bfedjax.core.engine import EngineState, RoundArrays, RoundConfig, init_state, make_round_step
 from bfedjax.core.types import Algorithm
+
+
+class NonFiniteClientError(ValueError):
+    """A client sent NaN or Inf and the run was asked to stop (``simulate(on_nonfinite="stop")``)."""
 
 
 @dataclasses.dataclass
@@ -58,6 +63,15 @@ def round_arrays(fed, client_weights=None) -> RoundArrays:
                        jnp.asarray(fed.x_test), jnp.asarray(fed.y_test), **own_tests)
 
 
+def with_attackers(arrays: RoundArrays, attack: Attack, num_classes: int) -> RoundArrays:
+    """``arrays`` with ``attack``'s malicious clients marked (``[N]``) and, for ``label_flip``, their labels flipped."""
+    malicious = attack.malicious(arrays.counts.shape[0])
+    arrays = arrays._replace(malicious=jnp.asarray(malicious, jnp.float32))
+    if attack.kind == "label_flip":
+        arrays = arrays._replace(y=flip_labels(arrays.y, jnp.asarray(malicious), num_classes))
+    return arrays
+
+
 def traced_hparams(algorithm: Algorithm, round_index: int, overrides: dict | None = None) -> dict:
     """Per-round scalars with fixed dtypes (``round`` int32, the rest float32): no recompiles.
 
@@ -89,7 +103,7 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
              hparams_fn: Callable[[int], dict] | None = None, evaluate_local: bool = True,
              init_params=None, init_server=None, checkpoint_dir: str | None = None,
              mesh=None, client_groups=None, straggler_fraction: float = 0.0,
-             straggler_weighting: str = "unchanged",
+             straggler_weighting: str = "unchanged", attack: Attack | None = None, on_nonfinite: str = "drop",
              round_fractions: Sequence[float] | None = None, on_round: Callable[[dict], None] | None = None,
              stop_when: Callable[[list[dict]], bool] | None = None) -> SimulationResult:
     """Runs ``rounds`` federated rounds.
@@ -118,6 +132,11 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
         (drawn from the round key: the same stragglers for every algorithm at a given seed).
       straggler_weighting: ``"unchanged"`` (stragglers keep their weight) or ``"by_epochs"``
         (weight scaled by ``x / E``).
+      attack: an ``attacks.Attack``: ``round(fraction * N)`` seeded clients send sign-flipped, scaled
+        or noise updates, or train on flipped labels (``None``: nobody attacks).
+      on_nonfinite: a client whose message holds NaN or Inf is always left out of the aggregation
+        (``nonfinite_clients`` counts them per round); ``"stop"`` raises ``NonFiniteClientError``
+        after the round, naming the round and the client, before the round is checkpointed.
       round_fractions: e.g. ``(0.5, 0.6, 0.7, 0.8, 0.9)``: each round every client trains on the
         first ``round(f * n_k)`` rows of its data with ``f`` drawn from these (its weight scaled
         by ``f``); with ``data.partition(..., "nested")`` these are FedRef's nested subsets.
@@ -129,6 +148,8 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
         raise ValueError(f"rounds={rounds} must be >= 1")
     k = cohort_size(fed.num_clients, clients_per_round, participation)
     num_clients, arrays = fed.num_clients, round_arrays(fed, client_weights)
+    if attack is not None:
+        arrays = with_attackers(arrays, attack, fed.num_classes)
     groups = _checked_groups(algorithm, client_groups, fed.num_clients)
     if mesh is not None:
         from bfedjax.core import sharding
@@ -139,7 +160,7 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
     config = RoundConfig(num_clients=num_clients, clients_per_round=k, clients_per_chunk=clients_per_chunk,
                          evaluate_local=evaluate_local, pad_cohort_to=mesh.devices.size if mesh is not None else 1,
                          client_groups=groups, straggler_fraction=straggler_fraction,
-                         straggler_weighting=straggler_weighting,
+                         straggler_weighting=straggler_weighting, attack=attack, on_nonfinite=on_nonfinite,
                          round_fractions=None if round_fractions is None else tuple(round_fractions))
     if init_params is None and init_server is None:
         if algorithm.init_params is None:
@@ -163,20 +184,21 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
         if last is not None and last > rounds:
             raise ValueError(f"the checkpoint in {checkpoint_dir} is at round {last} > rounds={rounds}; "
                              "fix: ask for at least that many rounds, or start over (--noresume / a new directory)")
-        if last is not None:
-            try:
-                state, history = checkpointer.restore(last, state)
-            except Exception as err:  # orbax raises several types for a state of another structure
-                raise ValueError(f"the checkpoint in {checkpoint_dir} (round {last}) does not match {algorithm.name}'s "
-                                 "state: it was written by another algorithm, setting or bfedjax version; fix: start "
-                                 "over (--noresume / a new directory)") from err
-            history = history[:last]
+        restored = checkpointer.restore_latest(state, owner=algorithm.name)  # skips damaged ones, or raises
+        if restored is not None:
+            _, state, history = restored
     for r in range(len(history) + 1, rounds + 1):
         start = time.perf_counter()
         hparams = traced_hparams(algorithm, r, hparams_fn(r) if hparams_fn else None)
         state, metrics = round_step(state, arrays, jax.random.fold_in(key, r), hparams)
         record = {"round": r, **{k: float(v) for k, v in metrics.items()}}
         record["seconds"] = time.perf_counter() - start
+        first_bad = record.pop("first_nonfinite_client", -1)
+        if first_bad >= 0:
+            raise NonFiniteClientError(
+                f"round {r}: client {int(first_bad)} sent NaN or Inf ({int(record['nonfinite_clients'])} client(s) "
+                "this round); fix: check that client's data (bfedjax.data validates loaded files), lower the "
+                "learning rate, or let such clients drop out (on_nonfinite='drop')")
         if "global_accuracy" in record:
             record["best_global_accuracy"] = max(record["global_accuracy"],
                                                  history[-1]["best_global_accuracy"] if history else 0.0)

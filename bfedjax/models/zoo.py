@@ -309,13 +309,13 @@ def get_model(name: str, num_classes: int,
     key = name.lower() if isinstance(name, str) else name
     if key not in MODELS:
         raise ValueError(
-            f"Unknown model {name!r}; available models: {sorted(MODELS)}")
+            f"Unknown model {name!r}; fix: use one of the available models {sorted(MODELS)}")
     if not 0.0 <= dropout_rate < 1.0:
-        raise ValueError(f"dropout_rate={dropout_rate} must be in [0, 1)")
+        raise ValueError(f"dropout_rate={dropout_rate} must be in [0, 1); fix: pass e.g. dropout_rate=0.2")
     if dropout_rate == 0.0:
         return MODELS[key](num_classes, hidden)
     if key not in DROPOUT_MODELS:
-        raise ValueError(f"model {name!r} has no dropout layers; use one of {DROPOUT_MODELS} for MC dropout")
+        raise ValueError(f"model {name!r} has no dropout layers; fix: use one of {DROPOUT_MODELS} for MC dropout")
     return MODELS[key](num_classes, hidden, dropout_rate=dropout_rate)
 
 

@@ -6,7 +6,9 @@ summing to one over the cohort's real clients) and an optional cohort mask
 ``[C]`` (1 for a real client, 0 for a padding slot; ``None``: all real).
 Padding slots never count. The rules that ignore weights (conflation) or count
 clients (DWC's K) read the mask and never infer it from the weights: a real
-client may weigh zero. Algorithms call these rules; they never re-implement
+client may weigh zero. A padding slot may hold any finite values, a zero
+precision included; non-finite values are the engine's to keep out (it zeroes
+the message of a client it leaves out for NaN or Inf). Algorithms call these rules; they never re-implement
 them.
 
 FOLA (Liu et al.): ``gaussian_product`` (Eq. 12), ``moment_matched_mixture``
@@ -99,7 +101,7 @@ def moment_matched_mixture(stacked: DiagGaussian, weights: jax.Array) -> DiagGau
     """
     w = weights / jnp.sum(weights)
     mean = weighted_sum(stacked.mean, w)
-    second = jax.tree.map(lambda m, p: 1.0 / p + jnp.square(m), stacked.mean, stacked.precision)
+    second = jax.tree.map(lambda v, m: v + jnp.square(m), _variance(stacked, w), stacked.mean)
     var = jax.tree.map(lambda s, m: weighted_sum(s, w) - jnp.square(m), second, mean)
     return DiagGaussian(mean, jax.tree.map(lambda v: 1.0 / v, var))
 
@@ -112,15 +114,21 @@ def _normalised(weights, mask=None):
     return weights / jnp.sum(weights)
 
 
-def _variance(stacked: DiagGaussian):
-    return jax.tree.map(lambda p: 1.0 / p, stacked.precision)
+def _variance(stacked: DiagGaussian, weights):
+    """``1 / precision`` where a client weighs something, 0 elsewhere (a zero-weight or padding slot's
+    precision may be 0 and must not turn the weighted sum into ``0 * inf``)."""
+    def leaf(p):
+        counts = jnp.reshape(weights > 0, (-1,) + (1,) * (jnp.ndim(p) - 1))
+        return jnp.where(counts, 1.0 / jnp.where(counts, p, 1.0), 0.0)
+
+    return jax.tree.map(leaf, stacked.precision)
 
 
 def nwa(stacked: DiagGaussian, weights, *, mask=None) -> DiagGaussian:
     """Naive weighted averaging (Eq. 10): mean and variance both averaged with the weights."""
     w = _normalised(weights, mask)
     mean = weighted_sum(stacked.mean, w)
-    variance = weighted_sum(_variance(stacked), w)
+    variance = weighted_sum(_variance(stacked, w), w)
     return DiagGaussian(mean, jax.tree.map(lambda v: 1.0 / v, variance))
 
 
@@ -131,7 +139,7 @@ def weighted_sum_of_normals(stacked: DiagGaussian, weights, *, mask=None) -> Dia
     """WS (Eq. 11): the law of sum_k w_k theta_k for independent theta_k: variance sum_k w_k^2 sigma_k^2."""
     w = _normalised(weights, mask)
     mean = weighted_sum(stacked.mean, w)
-    variance = weighted_sum(_variance(stacked), jnp.square(w))
+    variance = weighted_sum(_variance(stacked, w), jnp.square(w))
     return DiagGaussian(mean, jax.tree.map(lambda v: 1.0 / v, variance))
 
 
