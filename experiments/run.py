@@ -84,7 +84,8 @@ flags.DEFINE_list("client_weights", None, "Override pi_n = m_n/m with these N we
                   "'uniform' for the unweighted cohort mean (FedReg's experiments).")
 # Faults and attacks.
 flags.DEFINE_enum("attack", "none", ["none"] + list(bf.core.ATTACKS), "Simulated malicious clients: sign_flip "
-                  "(reversed update), scale (boosted update), noise (N(0, s^2) update), label_flip (labels K-1-y).")
+                  "(reversed update), scale (boosted update), noise (N(0, s^2) update), label_flip (labels K-1-y), nan (a "
+                  "fault: the clients send NaN, which the round leaves out).")
 flags.DEFINE_float("attack_fraction", 0.2, "--attack: share of the clients that attack (seeded by --seed).")
 flags.DEFINE_float("attack_scale", None, "--attack=sign_flip/scale: the update's factor (default 1 / 10).")
 flags.DEFINE_float("attack_noise_std", 1.0, "--attack=noise: standard deviation of the sent update.")

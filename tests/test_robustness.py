@@ -67,6 +67,13 @@ def test_every_client_nan_keeps_the_server(nan_fed, tiny_model, tiny_params):
     chex.assert_trees_all_close(state.server["params"], tiny_params)
 
 
+def test_nan_fault_clients_are_counted_every_round(small_fed, tiny_model):
+    algo = bf.algorithms.fedavg(tiny_model, lr=0.1, batch_size=32)
+    result = bf.simulate(algo, small_fed, rounds=2, key=jax.random.PRNGKey(0), attack=Attack("nan", 0.4),
+                         evaluate_local=False)
+    assert result.metrics["nonfinite_clients"] == [2.0, 2.0] and min(result.metrics["global_accuracy"]) > 0.15
+
+
 def test_stop_policy_names_the_round_and_the_client(nan_fed, tiny_model):
     algo = bf.algorithms.fedavg(tiny_model, lr=0.1, batch_size=32)
     with pytest.raises(NonFiniteClientError, match=r"round 1: client 3 sent NaN or Inf"):

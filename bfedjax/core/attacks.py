@@ -8,7 +8,9 @@ round a malicious client trains as usual and then replaces its update
 * ``"sign_flip"``: sends ``theta_g - scale * u`` (the update reversed, scale 1 by default);
 * ``"scale"``: sends ``theta_g + scale * u`` (a boosted update, scale 10 by default);
 * ``"noise"``: sends ``theta_g + noise_std * eps``, ``eps ~ N(0, I)`` (no training signal at all);
-* ``"label_flip"``: trains on labels ``K - 1 - y`` and sends its model honestly.
+* ``"label_flip"``: trains on labels ``K - 1 - y`` and sends its model honestly;
+* ``"nan"``: sends NaN (a client whose training diverged): a fault rather than an attack, which
+  the engine leaves out of the aggregation (``nonfinite_clients``).
 
 The engine applies it inside the jitted round, before the non-finite check and
 the aggregation (``RoundConfig.attack``); posterior methods keep the honest
@@ -22,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-ATTACKS = ("sign_flip", "scale", "noise", "label_flip")
+ATTACKS = ("sign_flip", "scale", "noise", "label_flip", "nan")
 ATTACK_KEY_STREAM = 0xA77A  # the noise attack's key: fold_in(client key, this)
 DEFAULT_SCALE = {"sign_flip": 1.0, "scale": 10.0}
 
@@ -93,6 +95,8 @@ def attacked_messages(attack: Attack, messages, global_params, malicious: jax.Ar
             bad = g[None] - attack.scale * u
         elif attack.kind == "scale":
             bad = g[None] + attack.scale * u
+        elif attack.kind == "nan":
+            bad = jnp.full_like(m, jnp.nan)
         else:
             noise = jax.vmap(lambda key: jax.random.normal(key, g.shape, m.dtype))(k)
             bad = g[None] + attack.noise_std * noise
