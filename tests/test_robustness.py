@@ -116,11 +116,11 @@ def test_robust_product_limits():
     assert float(jnp.max(robust.precision)) <= 3.0 * float(jnp.max(jnp.median(precision, axis=0))) + 1e-5
 
 
-values = arrays(np.float32, st.tuples(st.integers(1, 7), st.integers(1, 3)),
+values = arrays(np.float32, st.tuples(st.integers(1, 6), st.just(2)),
                 elements=st.floats(-1e3, 1e3, width=32, allow_nan=False))
 
 
-@settings(max_examples=40, deadline=None, derandomize=True)
+@settings(max_examples=20, deadline=None, derandomize=True)
 @given(values, st.randoms(use_true_random=False), st.integers(0, 3), st.floats(0.0, 0.49))
 def test_robust_rules_ignore_order_and_padding(x, rnd, pad, trim):
     """Permuting the clients changes nothing; padding slots (any finite value, mask 0) change nothing."""
