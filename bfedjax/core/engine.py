@@ -508,6 +508,12 @@ def finite_rows(tree, slots: int) -> jax.Array:
     return ok
 
 
+def _zero_rows(tree, keep):
+    """``tree`` (leaves ``[C, ...]``) with the rows where ``keep [C]`` is False set to 0."""
+    return jax.tree.map(lambda m: jnp.where(jnp.reshape(keep, (-1,) + (1,) * (m.ndim - 1)), m, jnp.zeros_like(m)),
+                        tree)
+
+
 def _attacked(algorithm, config, state, arrays, ids, keys, messages):
     """The slots' messages after the malicious clients' attack (unchanged without one)."""
     if config.attack is None or arrays.malicious is None:
@@ -533,9 +539,7 @@ def _without_nonfinite(config, cohort: Cohort, messages, finite):
     weights = jnp.where(bad, 0.0, cohort.weights)
     weights = jnp.where(jnp.any(bad), weights / jnp.maximum(jnp.sum(weights), 1e-30), cohort.weights)
     cohort = cohort._replace(mask=jnp.where(bad, 0.0, cohort.mask), weights=weights)
-    messages = jax.tree.map(lambda m: jnp.where(jnp.reshape(finite, (-1,) + (1,) * (m.ndim - 1)), m,
-                                                jnp.zeros_like(m)), messages)
-    return cohort, messages, _fault_metrics(config, cohort.ids, bad)
+    return cohort, _zero_rows(messages, finite), _fault_metrics(config, cohort.ids, bad)
 
 
 def _finish(algorithm, config, state, arrays, cohort, messages, client_metrics, finite, persistent, hparams,
@@ -568,8 +572,7 @@ def _streamed_group(algorithm, config, state, arrays, sub, train, persistent, gr
         finite = finite_rows((messages, new_persistent), chunk)
         bad = (mask > 0) & ~finite
         mask, w = jnp.where(bad, 0.0, mask), jnp.where(bad, 0.0, w)
-        messages = jax.tree.map(lambda m: jnp.where(jnp.reshape(finite, (-1,) + (1,) * (m.ndim - 1)), m,
-                                                    jnp.zeros_like(m)), messages)
+        messages = _zero_rows(messages, finite)
         dropped = (jnp.sum(w), jnp.sum(bad).astype(jnp.float32),
                    jnp.min(jnp.where(bad, ids, jnp.iinfo(jnp.int32).max)))
         sums = (weighted_sum(jax.vmap(algorithm.client_stats)(messages), w),
