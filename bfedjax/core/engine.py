@@ -545,9 +545,10 @@ def _without_nonfinite(config, cohort: Cohort, messages, finite):
 def _finish(algorithm, config, state, arrays, cohort, messages, client_metrics, finite, persistent, hparams,
             server_key):
     """Attack, non-finite check, aggregation of the cohort's stacked messages ``[Kp, ...]`` and evaluation
-    (all backends). ``finite [Kp]``: the slots whose new persistent state is finite."""
-    messages = _attacked(algorithm, config, state, arrays, cohort.ids, cohort.keys, messages)
-    finite = finite & finite_rows(messages, cohort.ids.shape[0])
+    (all backends). ``finite [Kp]``: the slots whose message and new persistent state are finite."""
+    if config.attack is not None:  # an attack may send NaN itself
+        messages = _attacked(algorithm, config, state, arrays, cohort.ids, cohort.keys, messages)
+        finite = finite & finite_rows(messages, cohort.ids.shape[0])
     cohort, messages, fault_metrics = _without_nonfinite(config, cohort, messages, finite)
     server, server_metrics = algorithm.aggregate(state.server, messages, cohort.weights, cohort.mask, hparams,
                                                  server_key)
@@ -685,8 +686,8 @@ def _vmapped_round(algorithm, config, state, arrays, key, hparams):
             out = jax.lax.map(lambda args: trainer(g)(*args), (split(sub.ids), split(sub.keys), split(sub.budgets)))
             outputs = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), out)
         messages, new_persistent, client_metrics = outputs
-        finite = finite_rows(new_persistent, slots)  # a non-finite client keeps its old persistent state
-        kept = jnp.where(finite & finite_rows(messages, slots), sub.mask, 0.0)
+        finite = finite_rows((messages, new_persistent), slots)  # a non-finite client keeps its old state
+        kept = jnp.where(finite, sub.mask, 0.0)
         persistent[g] = _scatter(persistent[g], _group_rows(config, sub.ids, g), kept, new_persistent)
         parts.append((positions, (messages, client_metrics, finite)))
     messages, client_metrics, finite = _merge_groups(parts, config.padded_cohort)
@@ -712,8 +713,8 @@ def _looped_round(algorithm, config, one_client, wrap):
         groups = [int(group_of[min(cid, n - 1)]) for cid in ids]
         outputs = [one_client(state, arrays, hparams, int(ids[i]), cohort.keys[i], cohort.budgets[i], groups[i])
                    for i in range(config.padded_cohort)]
-        finite = jnp.asarray([bool(finite_one(o[1])) for o in outputs])
-        kept = jnp.where(finite & jnp.asarray([bool(finite_one(o[0])) for o in outputs]), cohort.mask, 0.0)
+        finite = jnp.asarray([bool(finite_one(o[:2])) for o in outputs])  # message and persistent state
+        kept = jnp.where(finite, cohort.mask, 0.0)
         persistent = list(state.persistent)
         for g in range(config.num_groups):
             slots = [i for i in range(len(ids)) if ids[i] < n and groups[i] == g]
