@@ -3,7 +3,7 @@ PYTHON ?= python3
 OUT ?= out
 
 .PHONY: install install-dev demo test iv-e bfl-rules bfl-rules-fmnist fedreg-one-class fedreg-privacy hbfl-table \
-	hbfl-table-quick hbfl-objective fedref-table fedref-table-quick robustness-table data
+	hbfl-table-quick hbfl-objective fedref-table fedref-table-quick robustness-table data docs
 
 install:
 	$(PYTHON) -m pip install -q -e '.[experiments]'
@@ -17,6 +17,7 @@ data:
 	@if [ ! -e /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	  (apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist) >/dev/null 2>&1 || echo "NOTICE: could not install dataset-fashion-mnist"; fi
 
+# Ends by printing the path of its learning-curve PNG ($(OUT)/demo/comparison.png, GA solid, LA dashed).
 demo: install data
 	$(PYTHON) -m experiments.compare --flagfile=experiments/configs/fola_fmnist_demo.flags \
 	  --runs fedavg:--algorithm=fedavg fola:--algorithm=fola --output_dir=$(OUT)/demo \
@@ -27,6 +28,11 @@ demo: install data
 test: install-dev data
 	JAX_COMPILATION_CACHE_DIR=$$(mktemp -d) JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.3 \
 	  $(PYTHON) -m pytest -q -n 2 --durations=30 tests
+
+# The documentation site (docs/: method pages and the API from the docstrings) -> $(OUT)/docs/index.html;
+# Sphinx warnings are errors.
+docs: install-dev
+	$(PYTHON) -m sphinx -W --keep-going -b html docs $(OUT)/docs
 
 # FOLA Sec. IV-E two-client experiment -> results/fola_iv_e_two_clients.md
 iv-e: install data

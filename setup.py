@@ -6,6 +6,10 @@ DP = ["dp-accounting>=0.4"]
 PLOTS = ["matplotlib>=3.7"]
 FETS = ["nibabel>=5"]  # reads the FeTS NIfTI volumes (bfedjax.data.load_fets)
 TFDS = ["tensorflow-datasets>=4.9.6", "array_record>=0.5"]
+LOGGING = ["tensorboardX>=2.6", "tqdm>=4.66"]  # --tensorboard event files; progress bar with an ETA on a terminal
+FLOWER = ["flwr>=1.42"]  # bfedjax.flower: any algorithm as a Flower strategy + ClientApp
+NOTEBOOKS = ["nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29"]  # tests/test_colab.py executes colab/*.ipynb
+DOCS = ["sphinx>=8"]  # docs/: `make docs` builds the API site with warnings as errors
 
 setup(
     name="bfedjax",
@@ -33,9 +37,12 @@ setup(
         "plots": PLOTS,  # figures (bfedjax.privacy.save_reconstruction_png)
         "tfds": TFDS,
         "fets": FETS,
-        "experiments": CHECKPOINT + DP + PLOTS,  # what the binaries in experiments/ use
+        "logging": LOGGING,
+        "flower": FLOWER,
+        "docs": DOCS,
+        "experiments": CHECKPOINT + DP + PLOTS + LOGGING,  # what the binaries in experiments/ use
         # The PyTorch loop of experiments/bench.py. Pinned: an open range pulls a multi-GB CUDA build.
         "bench": ["torch==2.13.0"],
-        "dev": CHECKPOINT + DP + PLOTS + TFDS + FETS + ["pytest>=7", "pytest-xdist>=3", "mlxtend>=0.23", "hypothesis>=6.100"],
+        "dev": CHECKPOINT + DP + PLOTS + LOGGING + TFDS + FETS + FLOWER + NOTEBOOKS + DOCS + ["pytest>=7", "pytest-xdist>=3", "mlxtend>=0.23", "hypothesis>=6.100"],
     },
 )

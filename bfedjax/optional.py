@@ -8,6 +8,7 @@ EXTRAS = {
     "dp_accounting": ("dp", "DP-SGD's privacy accountant"),
     "matplotlib": ("plots", "figures"),
     "tensorflow_datasets": ("tfds", "TFDS data sets"),
+    "flwr": ("flower", "Flower deployment (bfedjax.flower)"),
 }
 
 

@@ -22,14 +22,16 @@ from bfedjax.models.apply import apply_fn_of, has_dropout, mc_predict_proba
 class Task(NamedTuple):
     """A model and everything about it that is not the federated algorithm's maths.
 
-    model: the Flax module.
-    apply_fn: ``(params, x [B, ...]) -> outputs [B, ...]`` in inference mode.
-    loss: ``(params, Batch) -> scalar``, the masked mean training loss in inference mode
-      (models with BatchNorm or dropout train through ``algorithms.local_sgd``, which
-      runs them in training mode).
-    evaluate: ``(params, x [T, ...], y [T, ...], mask [T] = None) -> {name: scalar}``, the engine's evaluate hook.
-    predict: ``(params, x [T, ...], key, num_samples) -> probs [M, T, K]``, the final predictive.
-    init_params: ``(key, input_shape) -> params``.
+    Attributes:
+      model: the Flax module.
+      apply_fn: ``(params, x [B, ...]) -> outputs [B, ...]`` in inference mode.
+      loss: ``(params, Batch) -> scalar``, the masked mean training loss in inference mode
+        (models with BatchNorm or dropout train through ``algorithms.local_sgd``, which
+        runs them in training mode).
+      evaluate: ``(params, x [T, ...], y [T, ...], mask [T] = None) -> {name: scalar}``, the engine's
+        evaluate hook.
+      predict: ``(params, x [T, ...], key, num_samples) -> probs [M, T, K]``, the final predictive.
+      init_params: ``(key, input_shape) -> params``.
     """
 
     model: Any
@@ -104,6 +106,7 @@ def segmentation(model, *, dice_weight: float = 1.0, eval_batch_size: int = SEGM
       ``logit > 0``, plus the FedRef authors' ``authors_dice``, ``authors_iou`` (soft, batch-pooled,
       after a sigmoid and a softmax) and ``authors_hd95`` (their row-wise distance, not a
       Hausdorff distance), computed the way their code does (``metrics.segmentation``).
+
     predict: the foreground probability ``sigmoid(logit)``, ``[1, T, H, W]``.
     """
     from bfedjax.metrics import segmentation as seg

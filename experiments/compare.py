@@ -4,8 +4,11 @@ r"""Runs several algorithms on one flagfile and prints / writes a comparison.
         --runs=fedavg:--algorithm=fedavg fola:--algorithm=fola --output_dir=out/demo
 
 Each run is ``python -m experiments.run --flagfile=F <run flags> --output_dir=OUT/<label>``;
-the table reads each run's ``metrics.jsonl`` and ``summary.json``. A run that stops on a bad command line
-stops the comparison with that run's one error line, prefixed by its label (``experiments.errors``).
+the table reads each run's ``metrics.jsonl`` and ``summary.json``. The runs' GA (solid) and LA (dashed)
+learning curves go to a PNG next to ``--results_file`` (``<results_file without .md>.png``; without one
+``OUT/learning_curves.png``), whose path is the last line printed; ``python -m experiments.plot
+OUT/<label>...`` draws the other figures (calibration, accuracy vs retained data, per-client accuracy).
+A run that stops on a bad command line stops the comparison with that run's one error line, prefixed by its label (``experiments.errors``).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import sys
 
 from absl import app
 
+from bfedjax import plots
 from experiments import errors
 
 
@@ -72,6 +76,14 @@ def per_round_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def learning_curves_png(output_dir: str, labels: list[str], path: str) -> str:
+    """Writes the GA / LA learning curves of the runs ``OUT/<label>`` as the PNG ``path``; returns it."""
+    import matplotlib
+    matplotlib.use("Agg")  # a file, whatever $DISPLAY says
+    runs = {label: plots.read_run(os.path.join(output_dir, label))["metrics"] for label in labels}
+    return plots.save(plots.learning_curves(runs), path)
+
+
 def main(argv=None):
     parser = errors.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--flagfile", required=True)
@@ -87,6 +99,11 @@ def main(argv=None):
     text = (f"## {args.title}\n\nData: {source}. Command:\n\n```\npython -m experiments.compare "
             + shlex.join(sys.argv[1:] if argv is None else argv) + f"\n```\n\n{table(results)}\n\nGA per round:\n\n"
             + per_round_table(results) + "\n")
+    if args.results_file:
+        png = os.path.splitext(args.results_file)[0] + ".png"
+        text += f"\n![GA (solid) and LA (dashed) per round]({os.path.basename(png)})\n"
+    else:
+        png = os.path.join(args.output_dir, "learning_curves.png")
     print("\n" + text)
     if args.results_file:
         os.makedirs(os.path.dirname(args.results_file) or ".", exist_ok=True)
@@ -94,6 +111,10 @@ def main(argv=None):
             f.write(text)
     with open(os.path.join(args.output_dir, "comparison.json"), "w") as f:
         json.dump(results, f)
+    learning_curves_png(args.output_dir, list(results), png)
+    run_dirs = " ".join(shlex.quote(os.path.join(args.output_dir, label)) for label in results)
+    print(f"more figures: python -m experiments.plot {run_dirs}")
+    print(f"learning curves (GA solid, LA dashed): {png}", flush=True)
 
 
 if __name__ == "__main__":

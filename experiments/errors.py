@@ -37,7 +37,7 @@ EXIT_CODE = 2  # the usual exit status of a command-line usage error (argparse, 
 def user_errors() -> tuple[type[BaseException], ...]:
     """The exception types a person fixes by changing the command line (imports the data package lazily)."""
     from bfedjax.data.sources import DataUnavailableError
-    return flags.Error, app.UsageError, ValueError, DataUnavailableError, OSError
+    return flags.Error, app.UsageError, ValueError, DataUnavailableError, OSError, ImportError
 
 
 def _collapse(text: str) -> str:

@@ -8,10 +8,14 @@ r"""Runs one federated experiment from absl flags.
     python -m experiments.run --flagfile=experiments/configs/fedref/vessels_unet.flags   # segmentation
 
 Prints one progress line per round (round, GA, LA, seconds; with
-``--task=segmentation`` the global model's Dice, IoU and HD95), writes
-``metrics.jsonl`` (one JSON record per round) and ``summary.json`` into
-``--output_dir``, and checkpoints every round there so a crashed run resumes
-where it stopped (``--noresume`` starts over).
+``--task=segmentation`` the global model's Dice, IoU and HD95; on a terminal
+above a progress bar with an ETA), writes ``metrics.jsonl`` (one JSON record
+per round), ``summary.json`` and, for classification, ``evaluation.json`` (the
+final predictive's reliability bins, accuracy vs retained data, per-client
+accuracy; ``python -m experiments.plot OUT_DIR`` draws them) into
+``--output_dir``, with ``--tensorboard`` also TensorBoard event files in
+``OUT_DIR/tensorboard``, and checkpoints every round there so a crashed run
+resumes where it stopped (``--noresume`` starts over).
 
 A bad command line (a flag out of range, flags that conflict, missing data, an impossible partition)
 stops with one line on stderr, ``error: ...; fix: ...``, and exit status 2 (``experiments.errors``).
@@ -20,6 +24,8 @@ stops with one line on stderr, ``error: ...; fix: ...``, and exit status 2 (``ex
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.util
 import json
 import os
 import shutil
@@ -31,7 +37,7 @@ import numpy as np
 from absl import app, flags, logging
 
 import bfedjax as bf
-from experiments import algorithm_flags, errors
+from experiments import algorithm_flags, errors, round_log
 
 FLAGS = flags.FLAGS
 # What to run: --algorithm, --lr, --local_epochs, --batch_size and the algorithms' options.
@@ -119,6 +125,9 @@ flags.DEFINE_bool("pretrain_disjoint", False, "Take the pre-training fraction aw
 # Output.
 flags.DEFINE_string("output_dir", "/tmp/bfedjax_run", "Where metrics.jsonl, summary.json and checkpoints go.")
 flags.DEFINE_bool("resume", True, "Resume from the last checkpoint in --output_dir.")
+flags.DEFINE_bool("tensorboard", False, "Also write TensorBoard event files (tensorboardX) into "
+                  "OUTPUT_DIR/tensorboard: every numeric round metric at step = round, and the final predictive's "
+                  "numbers.")
 flags.DEFINE_bool("evaluate_local", True, "Also compute LA (every local model on the test set).")
 flags.DEFINE_list("targets", ["0.5", "0.7", "0.8"], "GA thresholds for rounds-to-target in summary.json.")
 
@@ -378,31 +387,72 @@ def learning_rate_fn():
     return lambda r: {"lr": schedule(r)}
 
 
-def round_line(record) -> str:
-    """One progress line: the global model's scores (GA, LA, CA; segmentation: Dice, IoU, HD95)."""
-    end = f"loss {record['global_loss']:.4f}  {record['seconds']:.2f}s"
-    if "global_dice" in record:
-        return (f"round {record['round']:4d}  Dice {record['global_dice']:.4f}  IoU {record['global_iou']:.4f}  "
-                f"HD95 {record['global_hd95']:.2f}  {end}")
-    la = record.get("local_accuracy", float("nan"))
-    ca = f"  CA {record['client_test_accuracy']:.4f}" if "client_test_accuracy" in record else ""
-    dropped = f"  ({int(record['nonfinite_clients'])} non-finite clients left out)" if record.get(
-        "nonfinite_clients") else ""
-    return f"round {record['round']:4d}  GA {record['global_accuracy']:.4f}  LA {la:.4f}{ca}  {end}{dropped}"
+RETAINED_FRACTIONS = tuple(np.round(np.arange(0.05, 1.0001, 0.05), 2).tolist())  # accuracy vs retained data
+CALIBRATION_BINS = 15  # as bfedjax.metrics.uncertainty.summary's ECE
 
 
-def final_uncertainty(algorithm, server, fed) -> dict:
-    """Accuracy, NLL, ECE, Brier and mean entropy of the final global predictive on the test set.
+def final_evaluation(algorithm, server, fed) -> tuple[dict, dict]:
+    """The final global predictive on the test set: (summary numbers, what the plots need).
 
-    The algorithm's predict hook: bfl's ``--test_samples``-sample MC predictive of the posterior,
-    as many MC-dropout passes for a dropout model, otherwise the softmax of the global model.
+    The algorithm's predict hook gives the predictive: bfl's ``--test_samples``-sample MC predictive of
+    the posterior, as many MC-dropout passes for a dropout model, otherwise the softmax of the global model.
+    Returns ``(numbers, evaluation)``: ``numbers`` the accuracy, NLL, ECE, Brier, mean entropy, aleatoric and
+    epistemic parts (summary.json's ``uncertainty``); ``evaluation`` (evaluation.json): ``reliability``, the
+    ECE's ``calibration_bins`` (``count``, ``confidence``, ``accuracy`` [15] and ``ece``),
+    ``accuracy_vs_retained`` (``fractions`` [F] and ``accuracy`` [F] on the lowest-entropy fractions) and,
+    when the clients have test splits (``--client_test_splits``), ``per_client_accuracy``: the global
+    predictive's accuracy on each client's own split [N] (``None`` for a client without one).
     """
     import jax
     import jax.numpy as jnp
-    probs = algorithm.predict(server, jnp.asarray(fed.x_test), jax.random.PRNGKey(FLAGS.seed + 20_000),
-                              FLAGS.test_samples)
-    out = bf.metrics.uncertainty.summary(probs, jnp.asarray(fed.y_test))
-    return {k: float(v) for k, v in out.items() if jnp.ndim(v) == 0}
+    key = jax.random.PRNGKey(FLAGS.seed + 20_000)
+    x = jnp.asarray(fed.x_test)
+    own = fed.test_counts is not None
+    if own:  # the clients' own splits (their real rows, not the padding) ride along in the same predict call
+        x = jnp.concatenate([x, jnp.asarray(fed.x_test_clients[_filled(fed)])])
+    probs = algorithm.predict(server, x, key, FLAGS.test_samples)  # [M, T (+ sum of test_counts), K]
+    t = len(fed.y_test)
+    names = []  # summary's metric names, in its order (a jitted dict comes back sorted by key)
+    values, bins, retained = jax.jit(functools.partial(_predictive_scores, names=names))(
+        probs[:, :t], jnp.asarray(fed.y_test))
+    numbers = {k: float(v) for k, v in zip(names, values) if jnp.ndim(v) == 0}
+    evaluation = {
+        "num_test": t,
+        "reliability": {**{k: np.asarray(v).tolist() for k, v in bins.items()}, "ece": numbers["ece"]},
+        "accuracy_vs_retained": {"uncertainty": "normalised predictive entropy", "fractions": list(RETAINED_FRACTIONS),
+                                 "accuracy": np.asarray(retained).tolist()},
+    }
+    if own:
+        evaluation["per_client_accuracy"] = {
+            "model": "final global predictive on each client's own test split",
+            "accuracy": per_client_accuracy(np.asarray(probs[:, t:]), fed), "test_counts": fed.test_counts.tolist()}
+    return numbers, evaluation
+
+
+def _predictive_scores(probs, y, names: list):
+    """The summary numbers (their names appended to ``names``), calibration bins and accuracy vs retained data
+    of ``probs [M, T, K]`` and labels ``y [T]``: one program to jit rather than dozens of small ones."""
+    unc = bf.metrics.uncertainty
+    p_bar = unc.predictive(probs)
+    summary = unc.summary(probs, y, CALIBRATION_BINS)
+    names.extend(summary)
+    return (tuple(summary.values()), unc.calibration_bins(p_bar, y, CALIBRATION_BINS),
+            unc.accuracy_vs_retained(p_bar, y, unc.normalised_entropy(p_bar), RETAINED_FRACTIONS))
+
+
+def _filled(fed) -> np.ndarray:
+    """``[N, t]``: which rows of the clients' padded test splits ``fed.x_test_clients [N, t, ...]`` are real."""
+    return np.arange(fed.y_test_clients.shape[1])[None, :] < np.asarray(fed.test_counts)[:, None]
+
+
+def per_client_accuracy(probs, fed) -> list:
+    """Each client's accuracy on its own test split ``[N]`` (``None``: a client without one), from ``probs
+    [M, sum_n test_counts[n], K]``, the predictive on the real rows of ``fed.x_test_clients`` in order."""
+    filled = _filled(fed)
+    client = np.broadcast_to(np.arange(filled.shape[0])[:, None], filled.shape)[filled]
+    correct = np.argmax(probs.mean(0), -1) == fed.y_test_clients[filled]
+    hits = np.bincount(client, weights=correct, minlength=filled.shape[0])
+    return [float(h / c) if c else None for h, c in zip(hits, fed.test_counts)]
 
 
 @dataclasses.dataclass
@@ -442,6 +492,9 @@ def setup(argv: Sequence[str] = ("run",)) -> Experiment:
     if FLAGS.abavg_accuracy_source == "client_test" and not FLAGS.client_test_splits:
         raise app.UsageError("--abavg_accuracy_source=client_test: the clients report accuracy on their own test "
                              "splits; fix: add --client_test_splits")
+    if FLAGS.tensorboard and importlib.util.find_spec("tensorboardX") is None:
+        raise app.UsageError("--tensorboard writes with tensorboardX, which is not installed; fix: pip install "
+                             "'bfedjax[logging]' (from a clone: pip install -e '.[logging]'), or drop --tensorboard")
     dataset = load_dataset()
     server_data = None
     if FLAGS.pretrain_fraction > 0:
@@ -487,7 +540,7 @@ def main(argv):
     import jax
 
     run = setup(argv)
-    dataset, fed, algorithm, task = run.dataset, run.fed, run.algorithm, run.task
+    dataset, fed, algorithm = run.dataset, run.fed, run.algorithm
     init_server = None
     if run.server_data is not None:
         server_x, server_y = run.server_data
@@ -502,7 +555,6 @@ def main(argv):
 
     os.makedirs(FLAGS.output_dir, exist_ok=True)
     checkpoints = os.path.join(FLAGS.output_dir, "checkpoints")
-    metrics_path = os.path.join(FLAGS.output_dir, "metrics.jsonl")
     if not FLAGS.resume:
         shutil.rmtree(checkpoints, ignore_errors=True)
     print(f"{algorithm.name} on {dataset.name} ({dataset.source}): {fed.num_clients} clients, "
@@ -510,29 +562,28 @@ def main(argv):
           f"{FLAGS.rounds} rounds, E={algorithm.local_epochs}, B={algorithm.batch_size}, lr={FLAGS.lr}, "
           f"hparams={algorithm.hparams}, clients with pi_n < 1e-3: {int(np.sum(fed.weights < 1e-3))}", flush=True)
 
-    with open(metrics_path, "w") as sink:
-        def on_round(record):
-            print(round_line(record), flush=True)
-            sink.write(json.dumps(record) + "\n")
-            sink.flush()
-
+    with round_log.RoundLog(FLAGS.output_dir, FLAGS.rounds, round_log.round_line, tensorboard=FLAGS.tensorboard) as log:
         result = bf.simulate(
             algorithm, fed, rounds=FLAGS.rounds, key=jax.random.PRNGKey(FLAGS.seed),
             clients_per_round=FLAGS.clients_per_round, participation=FLAGS.participation,
             clients_per_chunk=FLAGS.clients_per_chunk,
             backend=FLAGS.backend, client_weights=run.client_weights, evaluate_local=FLAGS.evaluate_local,
-            checkpoint_dir=checkpoints, on_round=on_round, init_server=init_server,
+            checkpoint_dir=checkpoints, on_round=log, init_server=init_server,
             hparams_fn=learning_rate_fn(), client_groups=run.client_groups,
             straggler_fraction=FLAGS.straggler_fraction, straggler_weighting=FLAGS.straggler_weighting,
             round_fractions=round_fractions(), attack=run.attack, on_nonfinite=FLAGS.on_nonfinite)
-    with open(metrics_path, "w") as sink:  # complete history, restored rounds included
-        for r in range(len(result.metrics["round"])):
-            sink.write(json.dumps({k: v[r] for k, v in result.metrics.items()}) + "\n")
+        log.end_rounds(result.metrics)  # metrics.jsonl complete (restored rounds included), progress bar closed
+        finish(run, result, log)
 
+
+def finish(run: Experiment, result, log: round_log.RoundLog) -> None:
+    """Writes summary.json (and, for classification, evaluation.json) of a finished run and prints its last lines;
+    the final predictive's numbers also go to TensorBoard (``log.final``)."""
+    algorithm, task = run.algorithm, run.task
     headline = "dice" if task is not None else "accuracy"
     ga = result.metrics[f"global_{headline}"]
     summary = {
-        "algorithm": algorithm.name, "dataset": dataset.name, "source": dataset.source,
+        "algorithm": algorithm.name, "dataset": run.dataset.name, "source": run.dataset.source,
         "flags": {f.name: f.value for module in (__name__, algorithm_flags.__name__)
                   for f in FLAGS.get_key_flags_for_module(sys.modules[module])},
         f"round1_global_{headline}": ga[0], f"final_global_{headline}": ga[-1], f"best_global_{headline}": max(ga),
@@ -541,8 +592,7 @@ def main(argv):
     if task is not None:  # segmentation: the last round's scores, ours and the FedRef authors'
         summary["final"] = {name[len("global_"):]: values[-1] for name, values in result.metrics.items()
                             if name.startswith("global_")}
-        with open(os.path.join(FLAGS.output_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=1)
+        _write_json("summary.json", summary)
         print(f"done: best Dice {max(ga):.4f}, final Dice {ga[-1]:.4f}, IoU {summary['final']['iou']:.4f}, "
               f"HD95 {summary['final']['hd95']:.2f} -> {FLAGS.output_dir}")
         return
@@ -551,12 +601,18 @@ def main(argv):
     if "client_test_accuracy" in result.metrics:  # mean over clients of each client's accuracy on its own split
         summary["best_client_test_accuracy"] = max(result.metrics["client_test_accuracy"])
         summary["final_client_test_accuracy"] = result.metrics["client_test_accuracy"][-1]
-    summary["uncertainty"] = final_uncertainty(algorithm, result.state.server, fed)
+    summary["uncertainty"], evaluation = final_evaluation(algorithm, result.state.server, run.fed)
+    log.final(summary["uncertainty"], step=result.metrics["round"][-1])
     print("final predictive: " + ", ".join(f"{k} {v:.4f}" for k, v in summary["uncertainty"].items()
                                            if isinstance(v, float)), flush=True)
-    with open(os.path.join(FLAGS.output_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    _write_json("summary.json", summary)
+    _write_json("evaluation.json", evaluation)
     print(f"done: round-1 GA {ga[0]:.4f}, best GA {max(ga):.4f}, final GA {ga[-1]:.4f} -> {FLAGS.output_dir}")
+
+
+def _write_json(name: str, value) -> None:
+    with open(os.path.join(FLAGS.output_dir, name), "w") as f:
+        json.dump(value, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_eight_devices_match_one_device():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip()
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, str(ROOT / "tests" / "sharding_check.py")], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -24,8 +25,8 @@ def test_two_processes_match_one_process():
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "experiments.multihost_example", f"--coordinator=localhost:{port}",
            "--num_processes=2", "--rounds=2"]
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    from conftest import FAST_COMPILE_FLAGS
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE_FLAGS)  # one device per process
     procs = [subprocess.Popen(cmd + [f"--process_id={i}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(2)]
     outs = [p.communicate(timeout=600) for p in procs]

@@ -77,7 +77,9 @@ def hbfl(model, *, input_shape: Sequence[int], local_models: Sequence | None = N
          head_models: Sequence | None = None) -> Algorithm:
     """HBFL with meme architecture ``model`` and one local architecture per group.
 
-    Args (spec section 3's decisions; defaults are the spec's):
+    The options are the spec's section 3 decisions, with the spec's defaults.
+
+    Args:
       model: the meme's (and the global model's) Flax classifier, e.g. ``models.CNN2``.
       input_shape: one example's shape (``build`` fills it from the data).
       local_models: one Flax classifier per architecture group (clients are mapped to

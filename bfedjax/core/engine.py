@@ -111,23 +111,25 @@ class RoundArrays(NamedTuple):
 class RoundConfig:
     """Static shape of a round (changing any field recompiles).
 
-    num_clients: N, clients in the federation.
-    clients_per_round: K, cohort size (K = N: everybody, in order, every round).
-    clients_per_chunk: clients trained at once; ``None`` trains the whole cohort in one vmap,
-      1 runs them one after another without a vmap.
-    evaluate_local: also score every local model with the evaluate hook (LA).
-    pad_cohort_to: round the cohort up to a multiple of this (the device count when the
-      client axis is sharded); the extra slots are padding.
-    client_groups: ``N`` ints, each client's architecture group (``None``: every client in group 0).
-    straggler_fraction: the fraction of clients that train fewer epochs each round (0: none).
-    straggler_weighting: ``"unchanged"`` (a straggler keeps its weight, HBFL spec Decision 14) or
-      ``"by_epochs"`` (its weight is scaled by ``x / E``, i.e. ``q_k`` proportional to ``n_k x / E``).
-    round_fractions: fractions in (0, 1]; each round every client trains on the first
-      ``round(f * n_k)`` rows of its data, ``f`` drawn uniformly from them (``None``: all rows).
-    attack: what the malicious clients (``RoundArrays.malicious``) send (``attacks.Attack``; ``None``: nobody attacks).
-    on_nonfinite: a client whose message or new persistent state holds NaN or Inf is always left
-      out of the round (mask and weight 0, the others renormalised; ``nonfinite_clients`` counts
-      them); ``"stop"`` also reports ``first_nonfinite_client`` so ``simulate`` can stop the run.
+    Attributes:
+      num_clients: N, clients in the federation.
+      clients_per_round: K, cohort size (K = N: everybody, in order, every round).
+      clients_per_chunk: clients trained at once; ``None`` trains the whole cohort in one vmap,
+        1 runs them one after another without a vmap.
+      evaluate_local: also score every local model with the evaluate hook (LA).
+      pad_cohort_to: round the cohort up to a multiple of this (the device count when the
+        client axis is sharded); the extra slots are padding.
+      client_groups: ``N`` ints, each client's architecture group (``None``: every client in group 0).
+      straggler_fraction: the fraction of clients that train fewer epochs each round (0: none).
+      straggler_weighting: ``"unchanged"`` (a straggler keeps its weight, HBFL spec Decision 14) or
+        ``"by_epochs"`` (its weight is scaled by ``x / E``, i.e. ``q_k`` proportional to ``n_k x / E``).
+      round_fractions: fractions in (0, 1]; each round every client trains on the first
+        ``round(f * n_k)`` rows of its data, ``f`` drawn uniformly from them (``None``: all rows).
+      attack: what the malicious clients (``RoundArrays.malicious``) send (``attacks.Attack``;
+        ``None``: nobody attacks).
+      on_nonfinite: a client whose message or new persistent state holds NaN or Inf is always left
+        out of the round (mask and weight 0, the others renormalised; ``nonfinite_clients`` counts
+        them); ``"stop"`` also reports ``first_nonfinite_client`` so ``simulate`` can stop the run.
     """
 
     num_clients: int
@@ -207,6 +209,12 @@ class RoundConfig:
 PERSISTENT_INIT_STREAM = 0x9E45  # client n's persistent_init key: fold_in(fold_in(key, this), n)
 
 
+def persistent_init_key(key: jax.Array | None, client_id) -> jax.Array:
+    """Client ``client_id``'s ``persistent_init`` key from the run's init ``key`` (``None``: ``PRNGKey(0)``)."""
+    base = jax.random.fold_in(jax.random.PRNGKey(0) if key is None else key, PERSISTENT_INIT_STREAM)
+    return jax.random.fold_in(base, client_id)
+
+
 def init_state(algorithm: Algorithm, params, config: RoundConfig, key: jax.Array | None = None) -> EngineState:
     """Server state from initial ``params`` and each group's persistent state ``[N_group, ...]``.
 
@@ -218,10 +226,9 @@ def init_state(algorithm: Algorithm, params, config: RoundConfig, key: jax.Array
                          f"{config.num_groups}; fix: give it one local model per group or remap the clients")
     if algorithm.persistent_init is None:
         return EngineState(server, tuple(() for _ in range(config.num_groups)))
-    base = jax.random.fold_in(jax.random.PRNGKey(0) if key is None else key, PERSISTENT_INIT_STREAM)
     persistent = []
     for g in range(config.num_groups):
-        keys = jax.vmap(lambda n: jax.random.fold_in(base, n))(jnp.asarray(config.members(g)))
+        keys = jax.vmap(lambda n: persistent_init_key(key, n))(jnp.asarray(config.members(g)))
         persistent.append(jax.vmap(lambda k: algorithm.persistent_init(params, k, g))(keys))
     return EngineState(server, tuple(persistent))
 
@@ -542,10 +549,15 @@ def _without_nonfinite(config, cohort: Cohort, messages, finite):
     return cohort, _zero_rows(messages, finite), _fault_metrics(config, cohort.ids, bad)
 
 
-def _finish(algorithm, config, state, arrays, cohort, messages, client_metrics, finite, persistent, hparams,
-            server_key):
-    """Attack, non-finite check, aggregation of the cohort's stacked messages ``[Kp, ...]`` and evaluation
-    (all backends). ``finite [Kp]``: the slots whose message and new persistent state are finite."""
+def finish_round(algorithm: Algorithm, config: RoundConfig, state: EngineState, arrays: RoundArrays, cohort: Cohort,
+                 messages, client_metrics, finite, persistent, hparams, server_key):
+    """``(EngineState, metrics)``: the server half of a round from the cohort's client outputs.
+
+    The attack, the non-finite drop, the aggregation and the evaluation, as every backend (and the
+    Flower strategy, with the replies) runs them. messages: ``[Kp, ...]``; client_metrics:
+    ``{name: [Kp]}``; finite: ``[Kp]`` bool, False for a slot whose message or new persistent state
+    is not finite (or that is left out like one); persistent: the new persistent state (returned as is).
+    """
     if config.attack is not None:  # an attack may send NaN itself
         messages = _attacked(algorithm, config, state, arrays, cohort.ids, cohort.keys, messages)
         finite = finite & finite_rows(messages, cohort.ids.shape[0])
@@ -691,7 +703,7 @@ def _vmapped_round(algorithm, config, state, arrays, key, hparams):
         persistent[g] = _scatter(persistent[g], _group_rows(config, sub.ids, g), kept, new_persistent)
         parts.append((positions, (messages, client_metrics, finite)))
     messages, client_metrics, finite = _merge_groups(parts, config.padded_cohort)
-    return _finish(algorithm, config, state, arrays, cohort, messages, client_metrics, finite, tuple(persistent),
+    return finish_round(algorithm, config, state, arrays, cohort, messages, client_metrics, finite, tuple(persistent),
                    hparams, server_key)
 
 
@@ -702,7 +714,7 @@ def _looped_round(algorithm, config, one_client, wrap):
     """
     sample = wrap(lambda arrays, key: sample_cohort(config, arrays, key, algorithm.batch_size,
                                                     algorithm.local_epochs))
-    finish = wrap(lambda *args: _finish(algorithm, config, *args))
+    finish = wrap(lambda *args: finish_round(algorithm, config, *args))
     scatter = wrap(_scatter)
     finite_one = wrap(lambda tree: finite_rows(jax.tree.map(lambda x: jnp.asarray(x)[None], tree), 1)[0])
     n, group_of = config.num_clients, config.group_of
@@ -828,5 +840,5 @@ def _debug_round_fn(algorithm, config):
 
 
 __all__ = ["BACKENDS", "NONFINITE_POLICIES", "NO_BUDGET", "STRAGGLER_WEIGHTINGS", "Cohort", "EngineState",
-           "RoundArrays", "RoundConfig", "StageError", "finite_rows", "init_state", "local_training", "make_round_step",
-           "sample_cohort", "server_key_of", "straggler_epochs", "with_round_subsets"]
+           "RoundArrays", "RoundConfig", "StageError", "finish_round", "finite_rows", "init_state", "local_training",
+           "make_round_step", "persistent_init_key", "sample_cohort", "server_key_of", "straggler_epochs", "with_round_subsets"]

@@ -41,25 +41,41 @@ class SimulationResult:
 CLIENT_WEIGHTINGS = ("by_size", "uniform")
 
 
+def client_base_weights(counts, client_weights=None) -> np.ndarray:
+    """``[N]`` float32 weights summing to 1 from the clients' sample ``counts [N]`` (``round_arrays``'s).
+
+    ``client_weights``: ``None`` or ``"by_size"`` (pi_n = m_n/m), ``"uniform"``, or ``[N]`` weights.
+    """
+    counts = np.asarray(counts)
+    if isinstance(client_weights, str):
+        if client_weights not in CLIENT_WEIGHTINGS:
+            raise ValueError(f"client_weights={client_weights!r}; choose one of {CLIENT_WEIGHTINGS} or give N numbers")
+        client_weights = None if client_weights == "by_size" else np.ones(len(counts), np.float32)
+    weights = (counts / counts.sum()).astype(np.float32) if client_weights is None else np.asarray(client_weights,
+                                                                                                   np.float32)
+    if weights.shape != (len(counts),) or np.any(weights < 0) or weights.sum() <= 0:
+        raise ValueError(f"client_weights must be {len(counts)} non-negative numbers with a positive sum")
+    return weights / weights.sum()
+
+
+def round_key(key: jax.Array, r: int) -> jax.Array:
+    """The key of round ``r`` of a run with key ``key`` (round 0's initialises the model and persistent state)."""
+    return jax.random.fold_in(key, r)
+
+
 def round_arrays(fed, client_weights=None) -> RoundArrays:
     """Device copies of a ``FederatedData``.
 
     ``client_weights``: ``None`` or ``"by_size"`` (pi_n = m_n/m), ``"uniform"``
     (the unweighted mean of the cohort, as FedReg's experiments), or ``[N]`` weights.
     """
-    if isinstance(client_weights, str):
-        if client_weights not in CLIENT_WEIGHTINGS:
-            raise ValueError(f"client_weights={client_weights!r}; choose one of {CLIENT_WEIGHTINGS} or give N numbers")
-        client_weights = None if client_weights == "by_size" else np.ones(fed.num_clients, np.float32)
-    weights = fed.weights if client_weights is None else np.asarray(client_weights, np.float32)
-    if weights.shape != (fed.num_clients,) or np.any(weights < 0) or weights.sum() <= 0:
-        raise ValueError(f"client_weights must be {fed.num_clients} non-negative numbers with a positive sum")
+    weights = client_base_weights(fed.counts, client_weights)
     own_tests = {}
     if fed.test_counts is not None:
         own_tests = dict(x_test_clients=jnp.asarray(fed.x_test_clients), y_test_clients=jnp.asarray(fed.y_test_clients),
                          test_counts=jnp.asarray(fed.test_counts))
     return RoundArrays(jnp.asarray(fed.x), jnp.asarray(fed.y), jnp.asarray(fed.counts),
-                       jnp.asarray(weights / weights.sum()), jnp.ones(fed.num_clients, jnp.float32),
+                       jnp.asarray(weights), jnp.ones(fed.num_clients, jnp.float32),
                        jnp.asarray(fed.x_test), jnp.asarray(fed.y_test), **own_tests)
 
 
@@ -165,10 +181,10 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
     if init_params is None and init_server is None:
         if algorithm.init_params is None:
             raise ValueError(f"{algorithm.name} has no init_params hook; fix: pass simulate(..., init_params=...)")
-        init_params = algorithm.init_params(jax.random.fold_in(key, 0), fed.input_shape)
+        init_params = algorithm.init_params(round_key(key, 0), fed.input_shape)
     if init_params is None:  # the server state is given; persistent state starts from its global model
         init_params = algorithm.global_params(init_server)
-    state = init_state(algorithm, init_params, config, jax.random.fold_in(key, 0))
+    state = init_state(algorithm, init_params, config, round_key(key, 0))
     if init_server is not None:
         state = state._replace(server=init_server)
     if mesh is not None:
@@ -190,7 +206,7 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
     for r in range(len(history) + 1, rounds + 1):
         start = time.perf_counter()
         hparams = traced_hparams(algorithm, r, hparams_fn(r) if hparams_fn else None)
-        state, metrics = round_step(state, arrays, jax.random.fold_in(key, r), hparams)
+        state, metrics = round_step(state, arrays, round_key(key, r), hparams)
         record = {"round": r, **{k: float(v) for k, v in metrics.items()}}
         record["seconds"] = time.perf_counter() - start
         first_bad = record.pop("first_nonfinite_client", -1)

@@ -53,16 +53,17 @@ class Batch(NamedTuple):
 class ClientContext:
     """Everything a client may read during a round (read-only).
 
-    server: the broadcast server state.
-    persistent: this client's persistent state (``()`` when the algorithm has none).
-    data: this client's ``ClientData``.
-    hparams: traced per-round scalars (``round`` counts from 1, then the algorithm's own).
-    group: the client's architecture group, a static Python int (0 unless the federation
-      assigns groups; see ``RoundConfig.client_groups``): clients of one group share the
-      shapes of their persistent state, e.g. a personalised local model of one architecture.
-    test: this client's own test split as ``ClientData`` (``[max_t, ...]``, ``count`` real rows)
-      when the federation has per-client test splits, else ``None`` (e.g. ABAVG's
-      client-reported accuracy).
+    Attributes:
+      server: the broadcast server state.
+      persistent: this client's persistent state (``()`` when the algorithm has none).
+      data: this client's ``ClientData``.
+      hparams: traced per-round scalars (``round`` counts from 1, then the algorithm's own).
+      group: the client's architecture group, a static Python int (0 unless the federation
+        assigns groups; see ``RoundConfig.client_groups``): clients of one group share the
+        shapes of their persistent state, e.g. a personalised local model of one architecture.
+      test: this client's own test split as ``ClientData`` (``[max_t, ...]``, ``count`` real rows)
+        when the federation has per-client test splits, else ``None`` (e.g. ABAVG's
+        client-reported accuracy).
     """
 
     server: PyTree

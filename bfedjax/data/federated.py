@@ -17,14 +17,15 @@ from bfedjax.data.validate import check_labels
 class FederatedData:
     """A partitioned data set ready for the round engine.
 
-    x: ``[N, max_n, ...]`` float32 client inputs (zero padded).
-    y: ``[N, max_n]`` int32 client labels, or ``[N, max_n, H, W]`` masks (zero padded).
-    counts: ``[N]`` int32 real samples per client.
-    x_test: ``[T, ...]``, y_test: ``[T]``: the global test set.
-    num_classes: number of labels.
-    name: data set name (for logs).
-    x_test_clients: ``[N, max_t, ...]``, y_test_clients: ``[N, max_t]``, test_counts: ``[N]``:
-      optional per-client test splits (zero padded; ``None`` when the federation has none).
+    Attributes:
+      x: ``[N, max_n, ...]`` float32 client inputs (zero padded).
+      y: ``[N, max_n]`` int32 client labels, or ``[N, max_n, H, W]`` masks (zero padded).
+      counts: ``[N]`` int32 real samples per client.
+      x_test: ``[T, ...]``, y_test: ``[T]``: the global test set.
+      num_classes: number of labels.
+      name: data set name (for logs).
+      x_test_clients: ``[N, max_t, ...]``, y_test_clients: ``[N, max_t]``, test_counts: ``[N]``:
+        optional per-client test splits (zero padded; ``None`` when the federation has none).
     """
 
     x: np.ndarray

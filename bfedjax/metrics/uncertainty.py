@@ -31,14 +31,28 @@ def brier(p_bar, y):
     return jnp.mean(jnp.sum(jnp.square(p_bar - onehot), -1))
 
 
-def expected_calibration_error(p_bar, y, num_bins: int = 15):
-    """ECE with ``num_bins`` equal-width confidence bins: sum_b |B|/T * |acc(B) - conf(B)|."""
+def calibration_bins(p_bar, y, num_bins: int = 15) -> dict:
+    """The ``num_bins`` equal-width confidence bins of ECE and of a reliability diagram.
+
+    A point of confidence ``c = max_k p_bar_k`` falls in bin ``ceil(c * B) - 1`` (clipped to
+    ``0..B-1``), so bin ``b`` holds ``(b / B, (b + 1) / B]``. Returns ``count [B]`` (points per bin),
+    ``confidence [B]`` and ``accuracy [B]`` (their mean confidence and accuracy; 0 for an empty bin).
+    """
     conf = jnp.max(p_bar, -1)
     correct = (jnp.argmax(p_bar, -1) == y).astype(jnp.float32)
     bins = jnp.clip(jnp.ceil(conf * num_bins).astype(jnp.int32) - 1, 0, num_bins - 1)
+    count = jnp.zeros(num_bins).at[bins].add(1.0)
     conf_sum = jnp.zeros(num_bins).at[bins].add(conf)
     acc_sum = jnp.zeros(num_bins).at[bins].add(correct)
-    return jnp.sum(jnp.abs(acc_sum - conf_sum)) / y.shape[0]
+    safe = jnp.maximum(count, 1.0)
+    return {"count": count, "confidence": conf_sum / safe, "accuracy": acc_sum / safe}
+
+
+def expected_calibration_error(p_bar, y, num_bins: int = 15):
+    """ECE with ``num_bins`` equal-width confidence bins (:func:`calibration_bins`):
+    ``sum_b |B|/T * |acc(B) - conf(B)|``."""
+    bins = calibration_bins(p_bar, y, num_bins)
+    return jnp.sum(bins["count"] * jnp.abs(bins["accuracy"] - bins["confidence"])) / y.shape[0]
 
 
 def normalised_entropy(p_bar):

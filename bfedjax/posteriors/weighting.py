@@ -26,7 +26,7 @@ def uniform(num_clients: int, mask=None):
 
 
 def by_size(counts, mask=None):
-    """Eq. 19 ("train size"): |D_k| / |D|."""
+    """Eq. 19 ("train size"): ``|D_k| / |D|``."""
     counts = jnp.asarray(counts, jnp.float32)
     return _normalise(counts, jnp.ones_like(counts) if mask is None else mask)
 

@@ -60,15 +60,18 @@ def _is_variational(path: tuple, variational_biases: bool) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class MeanFieldConfig:
-    """prior_scale: std of the N(0, prior_scale^2) prior (the paper's variance 100: std 10).
-    init_scale: initial posterior std (softplus(-3) ~ 0.0486, TFP's default rho of -3).
-    variational_biases: put a prior and a posterior on dense/conv biases too (default: point
-      estimates); normalisation layers stay deterministic.
-    train_samples / test_samples: MC samples of the ELBO and of the predictive.
-    learning_rate: Adam step (the paper's 1e-3, fresh state every round).
-    gradient_estimator: of the expected log-likelihood: ``"flipout"`` (default: per-example
-      sign-flipped kernel noise in every dense and conv layer; variational biases are sampled
-      once per pass) or ``"reparameterization"`` (one weight sample shared by the whole batch).
+    """Options of the mean-field variational clients.
+
+    Attributes:
+      prior_scale: std of the N(0, prior_scale^2) prior (the paper's variance 100: std 10).
+      init_scale: initial posterior std (softplus(-3) ~ 0.0486, TFP's default rho of -3).
+      variational_biases: put a prior and a posterior on dense/conv biases too (default: point
+        estimates); normalisation layers stay deterministic.
+      train_samples: MC samples of the ELBO (``test_samples``: of the predictive).
+      learning_rate: Adam step (the paper's 1e-3, fresh state every round).
+      gradient_estimator: of the expected log-likelihood: ``"flipout"`` (default: per-example
+        sign-flipped kernel noise in every dense and conv layer; variational biases are sampled
+        once per pass) or ``"reparameterization"`` (one weight sample shared by the whole batch).
     """
 
     prior_scale: float = 10.0
