@@ -4,9 +4,9 @@ Each notebook is executed by nbclient (kernel "python3", working directory a fre
 its "parameters" cell is switched to ``SMALL = True`` in memory; its Colab install cell does nothing
 outside Colab. Every notebook ends with a cell of assertions about what it showed (learning above
 chance, the paper's orderings, sharded = unsharded rounds), so a library change that breaks what a
-notebook demonstrates fails here. One test per notebook, so ``pytest -n 2`` spreads them.
+notebook demonstrates fails here. One test per notebook, so ``pytest -n 2`` spreads them. The kernels
+inherit the suite's fast-compile XLA_FLAGS from conftest.py (scale.ipynb appends its forced device count).
 """
-import os
 import pathlib
 
 import nbformat
@@ -18,16 +18,6 @@ NOTEBOOKS = sorted(COLAB.glob("*.ipynb"))
 EXPECTED = {"fola_quickstart.ipynb", "aggregation_rules_uncertainty.ipynb", "fedreg_inversion.ipynb",
             "hbfl_heterogeneous.ipynb", "scale.ipynb"}
 TIMEOUT_S = 600  # per cell
-# XLA:CPU's compile time dominates the small sizes (one compiled round per run, seconds of training); LLVM at
-# -O0 compiles about 3x faster and the small runs are too short for the slower code to matter. Appended, so a
-# notebook's own XLA_FLAGS (scale.ipynb's forced device count) still apply.
-FAST_COMPILE = "--xla_backend_optimization_level=0"
-
-
-def kernel_env():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
-    return env
 
 
 def small(nb):
@@ -56,6 +46,6 @@ def test_all_notebooks_present_with_cleared_outputs():
 def test_notebook_runs_small(path, tmp_path):
     nb = small(nbformat.read(path, as_version=4))
     NotebookClient(nb, timeout=TIMEOUT_S, kernel_name="python3",
-                   resources={"metadata": {"path": str(tmp_path)}}).execute(env=kernel_env())
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
     last = [c for c in nb.cells if c.cell_type == "code"][-1]
     assert any("checks passed" in out.get("text", "") for out in last.outputs), last.outputs
