@@ -24,7 +24,6 @@ stops with one line on stderr, ``error: ...; fix: ...``, and exit status 2 (``ex
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib.util
 import json
 import os
@@ -412,10 +411,8 @@ def final_evaluation(algorithm, server, fed) -> tuple[dict, dict]:
         x = jnp.concatenate([x, jnp.asarray(fed.x_test_clients[_filled(fed)])])
     probs = algorithm.predict(server, x, key, FLAGS.test_samples)  # [M, T (+ sum of test_counts), K]
     t = len(fed.y_test)
-    names = []  # summary's metric names, in its order (a jitted dict comes back sorted by key)
-    values, bins, retained = jax.jit(functools.partial(_predictive_scores, names=names))(
-        probs[:, :t], jnp.asarray(fed.y_test))
-    numbers = {k: float(v) for k, v in zip(names, values) if jnp.ndim(v) == 0}
+    scores, bins, retained = jax.jit(_predictive_scores)(probs[:, :t], jnp.asarray(fed.y_test))
+    numbers = {k: float(scores[k]) for k in bf.metrics.uncertainty.SUMMARY_METRICS}  # in summary's order
     evaluation = {
         "num_test": t,
         "reliability": {**{k: np.asarray(v).tolist() for k, v in bins.items()}, "ece": numbers["ece"]},
@@ -429,14 +426,12 @@ def final_evaluation(algorithm, server, fed) -> tuple[dict, dict]:
     return numbers, evaluation
 
 
-def _predictive_scores(probs, y, names: list):
-    """The summary numbers (their names appended to ``names``), calibration bins and accuracy vs retained data
-    of ``probs [M, T, K]`` and labels ``y [T]``: one program to jit rather than dozens of small ones."""
+def _predictive_scores(probs, y):
+    """Summary numbers (``{name: scalar}``), calibration bins and accuracy vs retained data of ``probs [M, T, K]``
+    and labels ``y [T]``: one program to jit rather than dozens of small ones."""
     unc = bf.metrics.uncertainty
     p_bar = unc.predictive(probs)
-    summary = unc.summary(probs, y, CALIBRATION_BINS)
-    names.extend(summary)
-    return (tuple(summary.values()), unc.calibration_bins(p_bar, y, CALIBRATION_BINS),
+    return (unc.summary(probs, y, CALIBRATION_BINS), unc.calibration_bins(p_bar, y, CALIBRATION_BINS),
             unc.accuracy_vs_retained(p_bar, y, unc.normalised_entropy(p_bar), RETAINED_FRACTIONS))
 
 

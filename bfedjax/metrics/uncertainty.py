@@ -84,8 +84,11 @@ def accuracy_vs_retained(p_bar, y, uncertainty, fractions=(0.5, 0.6, 0.7, 0.8, 0
     return jnp.stack([cumulative[k - 1] / k for k in keep])
 
 
+SUMMARY_METRICS = ("accuracy", "nll", "ece", "brier", "entropy", "aleatoric", "epistemic")  # summary's keys, in order
+
+
 def summary(probs, y, num_bins: int = 15) -> dict:
-    """All scalar metrics of an MC predictive ``probs [M, T, C]``."""
+    """All scalar metrics of an MC predictive ``probs [M, T, C]`` (the keys of ``SUMMARY_METRICS``)."""
     p_bar = predictive(probs)
     return {"accuracy": accuracy(p_bar, y), "nll": nll(p_bar, y), "ece": expected_calibration_error(p_bar, y, num_bins),
             "brier": brier(p_bar, y), "entropy": jnp.mean(normalised_entropy(p_bar)),
