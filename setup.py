@@ -10,6 +10,8 @@ LOGGING = ["tensorboardX>=2.6", "tqdm>=4.66"]  # --tensorboard event files; prog
 FLOWER = ["flwr>=1.42"]  # bfedjax.flower: any algorithm as a Flower strategy + ClientApp
 NOTEBOOKS = ["nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29"]  # tests/test_colab.py executes colab/*.ipynb
 DOCS = ["sphinx>=8"]  # docs/: `make docs` builds the API site with warnings as errors
+# The PyTorch rounds of experiments/bench.py (loop and torch.func). Pinned: an open range pulls a multi-GB CUDA build.
+BENCH = ["torch==2.13.0"]
 
 setup(
     name="bfedjax",
@@ -41,8 +43,7 @@ setup(
         "flower": FLOWER,
         "docs": DOCS,
         "experiments": CHECKPOINT + DP + PLOTS + LOGGING,  # what the binaries in experiments/ use
-        # The PyTorch loop of experiments/bench.py. Pinned: an open range pulls a multi-GB CUDA build.
-        "bench": ["torch==2.13.0"],
-        "dev": CHECKPOINT + DP + PLOTS + LOGGING + TFDS + FETS + FLOWER + NOTEBOOKS + DOCS + ["pytest>=7", "pytest-xdist>=3", "mlxtend>=0.23", "hypothesis>=6.100"],
+        "bench": BENCH,
+        "dev": CHECKPOINT + DP + PLOTS + LOGGING + TFDS + FETS + FLOWER + NOTEBOOKS + DOCS + BENCH + ["pytest>=7", "pytest-xdist>=3", "mlxtend>=0.23", "hypothesis>=6.100"],
     },
 )

@@ -1,8 +1,9 @@
-r"""Benchmark: the vmapped round against the stepwise loop, a PyTorch loop and the matmul ceiling.
+r"""Benchmark: the vmapped round against the stepwise loop, PyTorch, a centralised ceiling and a roofline.
 
     python -m experiments.bench                 # quick mode (< 10 min on 2 CPU cores)
-    python -m experiments.bench --noquick       # adds K = 1000, the unchunked skewed splits and
-                                                # the variational/FedReg clients at K = 10 and B = 50
+    python -m experiments.bench --noquick       # adds K = 1000, K = 10 at B = 50, the unchunked skewed
+                                                # splits, and the variational/FedReg clients at K = 10,
+                                                # B = 50 and in every layout
 
 For every configuration and algorithm it times whole rounds (after one
 compile/warm-up round; the fastest of ``--rounds`` timed rounds, since a shared
@@ -14,7 +15,13 @@ machine only ever adds time) of
   * stepwise - one jitted step per client per batch (FedJAX's default design),
   * torch    - a PyTorch loop over clients like the papers' code (needs torch; on the
                GPU when torch sees one),
-and reports the round time, client-samples per second, achieved FLOP/s
+  * torch.func, torch.func+compile - the strongest PyTorch design: one step of every
+               client at once, ``torch.func.vmap(grad(...))`` over stacked client
+               parameters, eager and under ``torch.compile`` (FedAvg and FOLA),
+  * centralised - the ceiling a round can approach: one model trained by one jitted SGD
+               scan on the same samples at batch K x B (as many sequential steps as a client),
+and marks as ``default`` the library row of the layout ``simulate`` picks by itself
+(``clients_per_chunk="auto"``, ``bfedjax.core.layout``). It reports the round time, client-samples per second, achieved FLOP/s
 (training FLOPs on real samples, from XLA's cost analysis of the model,
 divided by the round time; for the variational and FedReg clients this
 counts only the deterministic model's training FLOPs, so their "% of peak"
@@ -22,12 +29,19 @@ understates the work done), the compiled round's memory (XLA memory analysis),
 the aggregation's share of a round and the padded-work ratio (and, in the
 JSON, the process's peak RSS so far, which only grows). The measured
 dense-matmul FLOP/s of the machine is the ceiling (float32 at the backend's
-default matmul precision, the precision the models train at). Writes
-``bench.json`` and ``bench.md`` into ``--output_dir``.
+default matmul precision, the precision the models train at). The roofline
+column is the larger of the round's training FLOPs over that peak and its
+per-client parameter traffic (every local step reads and writes each client's
+weights and gradient, FOLA also its prior and Fisher; ``bench_anchors``) over
+the measured memory bandwidth, as a fraction of the round time. Every round,
+the library's and PyTorch's alike, trains only: the algorithms' evaluation hook
+is off (the PyTorch loops evaluate nothing either). The compile column is the
+first round's time (compilation plus one round). Writes ``bench.json`` and
+``bench.md`` into ``--output_dir``.
 
 The same command runs unchanged on a GPU (``pip install -U "jax[cuda12]"``): chunk
-variants and the CPU-only skips are dropped there, and the targets checked are the GPU
-one (vmap at least 20x the stepwise loop at K = 1000, which needs ``--noquick``).
+variants and the CPU-only skips are dropped there, FedReg's CNN and FOLA's CIFAR CNN
+are timed at K = 100, and the targets checked are the GPU ones (``bench_report``).
 """
 from __future__ import annotations
 
@@ -38,9 +52,10 @@ import platform
 import resource
 import time
 
+import numpy as np
 from absl import app, flags, logging
 
-from experiments import bench_torch, errors
+from experiments import bench_anchors, bench_torch, errors
 from experiments.bench_report import check_targets, markdown
 
 FLAGS = flags.FLAGS
@@ -50,7 +65,9 @@ flags.DEFINE_integer("rounds", None, "Timed rounds per measurement, the fastest 
                      "mode 1 for the variational and FedReg clients and at K = 3400).")
 flags.DEFINE_list("algorithms", ["fedavg", "fola", "bfl", "fedreg"],
                   "Algorithms to time (each configuration lists which of them it runs).")
-flags.DEFINE_list("backends", ["vmap", "stepwise", "torch"], "Backends to time.")
+BACKENDS = ("vmap", "stepwise", "torch", "torch.func", "torch.func+compile", "centralised")
+flags.DEFINE_list("backends", list(BACKENDS), "Backends to time (torch.func and centralised on the "
+                  "configurations that have them).")
 flags.DEFINE_list("only", None, "Run only configurations whose name contains one of these strings.")
 flags.DEFINE_integer("samples_per_client", 100, "Samples per client in the uniform configurations "
                      "(100: whole batches at B = 10 and 50).")
@@ -59,8 +76,7 @@ flags.DEFINE_list("cpu_chunks", ["1", "2", "5"], "On a CPU, also time the round 
 flags.DEFINE_string("output_dir", "results/bench", "Where bench.json and bench.md go (rewritten after every row).")
 flags.DEFINE_bool("resume", False, "Keep the rows of --output_dir/bench.json (a run cut off on the same machine) "
                   "and time only the missing ones.")
-errors.check_list("backends", lambda b: b in ("vmap", "stepwise", "torch"), "among vmap, stepwise, torch",
-                  "vmap,stepwise")
+errors.check_list("backends", lambda b: b in BACKENDS, f"among {', '.join(BACKENDS)}", "vmap,stepwise")
 errors.check_list("cpu_chunks", lambda c: int(c) >= 1, "chunk sizes >= 1 (or empty)", "1,2,5")
 for _name in ("rounds", "samples_per_client"):
     flags.register_validator(_name, lambda v: v is None or v >= 1, message=f"--{_name} must be >= 1")
@@ -74,12 +90,14 @@ class Config:
     batch_size: int
     clients_per_chunk: int | None = None
     library_only: bool = False  # too slow for the Python loops (e.g. FEMNIST-scale cohorts)
-    model: str = "mlp"      # "mlp" (784-200-200-10) | "fedreg_cnn" (FedReg's MNIST CNN)
+    model: str = "mlp"      # "mlp" (784-200-200-10) | "fedreg_cnn" (FedReg's MNIST CNN) | "fola_cnn" (32x32x3)
     algorithms: tuple = ("fedavg", "fola")
     samples_per_client: int | None = None  # None: --samples_per_client
     chunks: tuple | None = None  # chunk sizes timed as vmap/cN; None: --cpu_chunks
     cpu_skip: tuple = ()         # (algorithm, backend) pairs not timed on a CPU (grouped convs: very slow)
     rounds: int | None = None    # timed rounds; None: --rounds
+    anchors: bool = False        # also time torch.func and the centralised ceiling
+    gpu_only: bool = False       # skipped on a CPU
 
 
 ALL_CLIENTS = ("fedavg", "fola", "bfl", "fedreg")
@@ -87,26 +105,33 @@ errors.check_list("algorithms", lambda a: a in ALL_CLIENTS, f"among {', '.join(A
 
 
 def configurations(quick: bool) -> list[Config]:
-    """The benchmarked configurations; quick mode keeps those the targets need (K = 10 and 100)."""
+    """The benchmarked configurations; quick mode keeps those the targets need, and times the
+    variational and FedReg clients only in the library's layouts (no stepwise rows)."""
     heavy = (lambda k, b: k == 100 and b == 10) if quick else (lambda k, b: k <= 100)  # + variational, FedReg
-    grid = [Config(f"mlp K={k} B={b}", "uniform", k, b, algorithms=ALL_CLIENTS if heavy(k, b) else ("fedavg", "fola"))
-            for k in ((10, 100) if quick else (10, 100, 1000)) for b in (10, 50)]
+    quick_skip = tuple((a, b) for a in ("bfl", "fedreg") for b in ("vmap", "stepwise")) if quick else ()
+    sizes = ((10, 10), (100, 10), (100, 50)) if quick else tuple((k, b) for k in (10, 100, 1000) for b in (10, 50))
+    grid = [Config(f"mlp K={k} B={b}", "uniform", k, b, algorithms=ALL_CLIENTS if heavy(k, b) else ("fedavg", "fola"),
+                   anchors=k >= 100, cpu_skip=quick_skip) for k, b in sizes]
     # The unchunked skewed splits show what padding every client to the largest costs (about 3x
     # the real work); their stepwise and torch rows repeat the chunked configurations'.
     unchunked = [] if quick else [Config("fmnist dir0.01 N=20 B=32 unchunked", "dirichlet", 20, 32),
                                   Config("power-law N=100 B=10 unchunked", "power_law", 100, 10)]
     return grid + [
-        # Convolutions under a client vmap become grouped convolutions, slow on XLA:CPU: on a CPU
-        # the CNN's library rows that matter are vmap/c1 (clients in turn inside the jitted round).
+        # On a CPU the zoo's convolutions are matrix products (models.conv), and the default
+        # layout runs a CNN's clients in turn (vmap/c1).
         Config("fedreg_cnn K=10 B=10", "uniform", 10, 10, model="fedreg_cnn", algorithms=ALL_CLIENTS,
-               samples_per_client=20 if quick else 100, chunks=(1,),
-               cpu_skip=(("bfl", "vmap"), ("fedreg", "vmap")) if quick else ()),
+               samples_per_client=20 if quick else 100, chunks=(1,), cpu_skip=quick_skip, anchors=True),
+        # The GPU targets' CNN rounds (on a CPU they would take minutes per backend).
+        Config("fedreg_cnn K=100 B=10", "uniform", 100, 10, model="fedreg_cnn", gpu_only=True, anchors=True),
+        Config("fola_cnn K=100 B=10", "uniform", 100, 10, model="fola_cnn", algorithms=("fola",), gpu_only=True,
+               anchors=True),
         *unchunked,
         Config("fmnist dir0.01 N=20 B=32 chunks of 2", "dirichlet", 20, 32, 2),
         Config("power-law N=100 B=10 chunks of 4", "power_law", 100, 10, 4),
-        # The memory target is read off the compiled round; one timed round is enough in quick mode.
+        # The memory target is read off the compiled round (FOLA's is the larger); quick mode times
+        # one round of FOLA only.
         Config("mlp K=3400 B=10 chunks of 10", "uniform", 3400, 10, 10, library_only=True,
-               rounds=1 if quick else None),
+               algorithms=("fola",) if quick else ("fedavg", "fola"), rounds=1 if quick else None),
     ]
 
 
@@ -119,20 +144,24 @@ def make_algorithm(name: str, model, fed, batch_size: int):
     options = {} if name == "bfl" else {"lr": 0.01}
     if name == "fola":  # the PyTorch loop computes no diagnostics either
         options["precision_diagnostics"] = False
-    return bf.algorithms.build(name, model, fed, batch_size=batch_size, **options)
+    algorithm = bf.algorithms.build(name, model, fed, batch_size=batch_size, **options)
+    return algorithm.replace(evaluate=None)  # rounds train only: the PyTorch loops evaluate nothing either
 
 
-def load_images():
-    """28x28 training images: Fashion-MNIST if present, else procedural noise digits."""
+def load_images(shape=(28, 28, 1)):
+    """Training images: Fashion-MNIST if present (28x28x1), else procedural noise of ``shape``
+    (32x32x3 for FOLA's CIFAR CNN: CIFAR-10 needs a download; only the speed is measured)."""
     import numpy as np
     import bfedjax as bf
-    try:
-        return bf.data.load("fashion_mnist")
-    except bf.data.DataUnavailableError:
-        rng = np.random.default_rng(0)
-        x = rng.normal(size=(60000, 28, 28, 1)).astype(np.float32)
-        y = rng.integers(0, 10, 60000).astype(np.int32)
-        return bf.data.Dataset("procedural28", x, y, x[:2000], y[:2000], 10, "procedural")
+    if tuple(shape) == (28, 28, 1):
+        try:
+            return bf.data.load("fashion_mnist")
+        except bf.data.DataUnavailableError:
+            pass
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(20000,) + tuple(shape)).astype(np.float32)
+    y = rng.integers(0, 10, 20000).astype(np.int32)
+    return bf.data.Dataset(f"procedural{shape[0]}x{shape[1]}x{shape[2]}", x, y, x[:1000], y[:1000], 10, "procedural")
 
 
 def federate(data, config: Config):
@@ -226,6 +255,9 @@ def time_aggregation(algorithm, fed, rounds: int = 5) -> float:
                for _ in range(rounds))
 
 
+INPUT_SHAPES = {"mlp": (28, 28, 1), "fedreg_cnn": (28, 28, 1), "fola_cnn": (32, 32, 3)}
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}; fix: flags take the form --name=value")
@@ -238,68 +270,109 @@ def main(argv):
     import bfedjax as bf
 
     rounds = FLAGS.rounds or 3
-    data = load_images()
-    rows, peak = previous_rows(os.path.join(FLAGS.output_dir, "bench.json")) if FLAGS.resume else ([], None)
+    rows, peak, bandwidth = (previous_rows(os.path.join(FLAGS.output_dir, "bench.json")) if FLAGS.resume
+                             else ([], None, None))
     peak = peak or matmul_peak_flops()
+    bandwidth = bandwidth or bench_anchors.memory_bandwidth_bytes_per_s()
     device = jax.devices()[0]
     on_cpu = device.platform == "cpu"
     machine = {"platform": device.platform, "device": str(device.device_kind), "cpu_count": os.cpu_count(),
                "processor": platform.processor() or platform.machine(), "jax": jax.__version__}
-    print(f"machine: {machine}; matmul peak {peak / 1e9:.1f} GFLOP/s; data: {data.name}", flush=True)
+    data = {shape: load_images(shape) for shape in {INPUT_SHAPES["mlp"]}}
+    print(f"machine: {machine}; matmul peak {peak / 1e9:.1f} GFLOP/s; memory bandwidth {bandwidth / 1e9:.1f} GB/s; "
+          f"data: {data[INPUT_SHAPES['mlp']].name}", flush=True)
     backends = list(FLAGS.backends)
-    if "torch" in backends and not bench_torch.available():
-        print("torch is not installed: skipping the PyTorch loop (pip install -e '.[bench]')", flush=True)
-        backends.remove("torch")
-    models, flops = {}, {}
+    if any(b.startswith("torch") for b in backends) and not bench_torch.available():
+        print("torch is not installed: skipping the PyTorch rounds (pip install -e '.[bench]')", flush=True)
+        backends = [b for b in backends if not b.startswith("torch")]
+    models, flops, param_counts = {}, {}, {}
 
     done = {(r["config"], r["algorithm"], r["backend"]) for r in rows}
     for config in configurations(FLAGS.quick):
-        if FLAGS.only and not any(s in config.name for s in FLAGS.only):
+        if (FLAGS.only and not any(s in config.name for s in FLAGS.only)) or (config.gpu_only and on_cpu):
             continue
+        shape = INPUT_SHAPES[config.model]
+        if shape not in data:
+            data[shape] = load_images(shape)
         if config.model not in models:
             models[config.model] = bf.models.get_model(config.model, 10, hidden=(200, 200))
-            flops[config.model] = training_flops_per_sample(models[config.model], data.x_train.shape[1:])
+            flops[config.model] = training_flops_per_sample(models[config.model], shape)
+            param_counts[config.model] = sum(
+                p.size for p in jax.tree.leaves(models[config.model].init(jax.random.PRNGKey(0),
+                                                                          jax.numpy.zeros((1,) + shape))["params"]))
         model, flops_per_sample = models[config.model], flops[config.model]
-        fed = federate(data, config)
+        fed = federate(data[shape], config)
         real_samples = int(fed.counts.sum())
+        steps = int(np.ceil(fed.counts / config.batch_size).sum())  # local steps of all clients in a round
         ratio = fed.padded_work_ratio(config.batch_size, config.clients_per_chunk)
         for name in [a for a in config.algorithms if a in FLAGS.algorithms]:
             algorithm = make_algorithm(name, model, fed, config.batch_size)
             agg_s = time_aggregation(algorithm, fed)
+            # a configuration that names its chunks has no default row
+            default = default_variant(algorithm, fed, config) if not config.clients_per_chunk else None
+            # bfl and fedreg move more than FedAvg per step: counting them as FedAvg gives a lower bound
+            traffic = bench_anchors.round_traffic_bytes(param_counts[config.model], 1, steps,
+                                                        name if name == "fola" else "fedavg")
+            roofline_s = bench_anchors.roofline_seconds(real_samples * flops_per_sample, traffic, peak, bandwidth)
             # quick mode: one timed round of the variational and FedReg clients (no target reads them)
             timed_rounds = config.rounds or (1 if FLAGS.quick and name not in bench_torch.ALGORITHMS else rounds)
-            for backend in variants_of(config, name, backends, on_cpu):
+            for backend in variants_of(config, name, backends, on_cpu, default):
                 if (config.name, name, backend) in done:
                     continue
-                if backend == "torch":
-                    times = bench_torch.time_rounds(fed, algorithm=name, model=config.model, hidden=(200, 200),
-                                                    batch_size=config.batch_size, rounds=timed_rounds + 1)
-                    result = {"compile_s": times[0], "round_s": min(times[1:])}
-                elif backend.startswith("vmap/c"):
-                    chunked = dataclasses.replace(config, clients_per_chunk=int(backend[len("vmap/c"):]))
-                    result = time_library(algorithm, fed, chunked, "vmap", timed_rounds)
-                else:
-                    result = time_library(algorithm, fed, config, backend, timed_rounds)
+                result = measure(backend, algorithm, fed, config, name, model, timed_rounds)
+                library = backend.startswith("vmap")
                 result.update(config=config.name, algorithm=name, backend=backend, clients=fed.num_clients,
-                              batch_size=config.batch_size, padded_work_ratio=ratio if backend.startswith("vmap") else 1.0,
+                              batch_size=config.batch_size, padded_work_ratio=ratio if library else 1.0,
                               samples_per_s=real_samples / result["round_s"],
                               gflops=real_samples * flops_per_sample / result["round_s"] / 1e9,
-                              aggregation_share=agg_s / result["round_s"] if backend.startswith("vmap") else None)
+                              aggregation_share=agg_s / result["round_s"] if library else None,
+                              roofline_fraction=roofline_s / result["round_s"], default=backend == default)
                 result["peak_fraction"] = result["gflops"] * 1e9 / peak
                 result["process_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
                 rows.append(result)
-                print(f"{config.name:38s} {name:7s} {backend:9s} round {result['round_s']:8.3f}s  "
+                print(f"{config.name:38s} {name:7s} {backend:18s} round {result['round_s']:8.3f}s  "
                       f"{result['samples_per_s']:10.0f} samples/s  {result['gflops']:6.1f} GFLOP/s "
-                      f"({100 * result['peak_fraction']:4.1f}% of peak)", flush=True)
-                write_report(machine, peak, data.name, rows)  # after every row: a cut-off run keeps its rows
-    print("\n" + write_report(machine, peak, data.name, rows))
+                      f"({100 * result['peak_fraction']:4.1f}% of peak, {100 * result['roofline_fraction']:4.1f}% of "
+                      f"roofline){'  default' if result['default'] else ''}", flush=True)
+                write_report(machine, peak, bandwidth, data[INPUT_SHAPES["mlp"]].name, rows)
+    print("\n" + write_report(machine, peak, bandwidth, data[INPUT_SHAPES["mlp"]].name, rows))
 
 
-def previous_rows(path: str) -> tuple[list[dict], float | None]:
-    """Rows and matmul peak (FLOP/s) of an earlier run on this device, for --resume."""
+def measure(backend: str, algorithm, fed, config: Config, name: str, model, rounds: int) -> dict:
+    """``{"round_s": best round, "compile_s": first round (compile + run), ...}`` of one backend."""
+    torch_options = dict(algorithm=name, model=config.model, hidden=(200, 200), batch_size=config.batch_size,
+                         rounds=rounds + 1)
+    if backend == "torch":
+        times = bench_torch.time_rounds(fed, **torch_options)
+    elif backend.startswith("torch.func"):
+        times = bench_torch.time_func_rounds(fed, compiled=backend.endswith("+compile"), **torch_options)
+    elif backend == "centralised":
+        first, best = bench_anchors.centralised_round_seconds(model, fed, config.batch_size, rounds=rounds)
+        return {"compile_s": first, "round_s": best}
+    elif backend.startswith("vmap/c"):
+        chunked = dataclasses.replace(config, clients_per_chunk=int(backend[len("vmap/c"):]))
+        return time_library(algorithm, fed, chunked, "vmap", rounds)
+    else:
+        return time_library(algorithm, fed, config, backend, rounds)
+    return {"compile_s": times[0], "round_s": min(times[1:])}
+
+
+def default_variant(algorithm, fed, config: Config) -> str:
+    """The library variant ``simulate(..., clients_per_chunk="auto")`` runs: ``vmap`` or ``vmap/cN``."""
+    import jax
+    from bfedjax.core import RoundConfig, init_state
+    from bfedjax.core.simulate import auto_layout
+    round_config = RoundConfig(fed.num_clients, fed.num_clients, evaluate_local=False)
+    state = init_state(algorithm, algorithm.init_params(jax.random.PRNGKey(0), fed.input_shape), round_config)
+    chunk = auto_layout(algorithm, round_config, state)
+    return "vmap" if chunk is None or chunk >= fed.num_clients else f"vmap/c{chunk}"
+
+
+def previous_rows(path: str) -> tuple[list[dict], float | None, float | None]:
+    """Rows, matmul peak (FLOP/s) and memory bandwidth (bytes/s) of an earlier run on this device, for --resume."""
     import jax
     if not os.path.exists(path):
-        return [], None
+        return [], None, None
     with open(path) as f:
         report = json.load(f)
     kind = str(jax.devices()[0].device_kind)
@@ -307,13 +380,14 @@ def previous_rows(path: str) -> tuple[list[dict], float | None]:
         raise app.UsageError(f"--resume: {path} was measured on {report['machine']['device']!r}, this is {kind!r}; "
                              "fix: pass another --output_dir or drop --resume")
     print(f"resuming: {len(report['rows'])} rows kept from {path}", flush=True)
-    return report["rows"], report["matmul_peak_gflops"] * 1e9
+    return report["rows"], report["matmul_peak_gflops"] * 1e9, report["memory_gb_per_s"] * 1e9
 
 
-def write_report(machine: dict, peak: float, data_name: str, rows: list[dict]) -> str:
+def write_report(machine: dict, peak: float, bandwidth: float, data_name: str, rows: list[dict]) -> str:
     """Writes bench.json and bench.md for the rows so far into --output_dir; returns the markdown."""
     os.makedirs(FLAGS.output_dir, exist_ok=True)
-    report = {"machine": machine, "matmul_peak_gflops": peak / 1e9, "data": data_name, "rows": rows,
+    report = {"machine": machine, "matmul_peak_gflops": peak / 1e9, "memory_gb_per_s": bandwidth / 1e9,
+              "data": data_name, "rows": rows,
               "targets": check_targets(rows, machine["platform"])}
     with open(os.path.join(FLAGS.output_dir, "bench.json"), "w") as f:
         json.dump(report, f, indent=1)
@@ -323,20 +397,29 @@ def write_report(machine: dict, peak: float, data_name: str, rows: list[dict]) -
     return text
 
 
-def variants_of(config: Config, algorithm: str, backends: list[str], on_cpu: bool = True) -> list[str]:
-    """The backends timed for one configuration and algorithm, chunked variants (CPU only) after ``vmap``."""
-    variants = list(backends)
+def variants_of(config: Config, algorithm: str, backends: list[str], on_cpu: bool = True,
+                default: str | None = "vmap") -> list[str]:
+    """The backends timed for one configuration and algorithm: library variants (chunked ones on a CPU,
+    and always the ``default`` layout) first, then the references."""
     chunks = [int(c) for c in (config.chunks or FLAGS.cpu_chunks) if int(c) < config.num_clients] if on_cpu else []
     if FLAGS.quick and algorithm not in bench_torch.ALGORITHMS:
         chunks = [c for c in chunks if c == 1]  # variational / FedReg: compiles take minutes; c1 only
-    if "vmap" in variants and config.partition == "uniform" and not config.clients_per_chunk:
-        at = variants.index("vmap") + 1
-        variants[at:at] = [f"vmap/c{c}" for c in chunks]
+    library = []
+    if "vmap" in backends:
+        library = ["vmap"]
+        if config.partition == "uniform" and not config.clients_per_chunk:
+            library += [f"vmap/c{c}" for c in chunks]
+        if default is not None and default not in library:
+            library.append(default)
+    references = [b for b in backends if not b.startswith("vmap")]
     if config.library_only:
-        variants = [b for b in variants if b.startswith("vmap")]
-    if "torch" in variants and (config.clients_per_chunk or algorithm not in bench_torch.ALGORITHMS):
-        variants.remove("torch")  # chunking is a library notion; torch covers the papers' FedAvg and FOLA loops
-    return [b for b in variants if not (on_cpu and (algorithm, b) in config.cpu_skip)]
+        references = []
+    if config.clients_per_chunk or algorithm not in bench_torch.ALGORITHMS:
+        references = [b for b in references if not b.startswith("torch")]  # the papers' FedAvg and FOLA loops
+    if not config.anchors or config.clients_per_chunk or (algorithm != config.algorithms[0]):
+        # the anchors time the first algorithm of a configuration (FedAvg; FOLA on FOLA's CNN)
+        references = [b for b in references if not b.startswith("torch.func") and b != "centralised"]
+    return [b for b in library + references if b == default or not (on_cpu and (algorithm, b) in config.cpu_skip)]
 
 
 if __name__ == "__main__":

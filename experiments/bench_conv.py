@@ -1,13 +1,15 @@
-r"""Why the zoo's convolutions carry their own backward pass, and why CPU runs use ``clients_per_chunk=1``.
+r"""Why the zoo's convolutions are matrix products on a CPU, and why CPU runs take clients in turn.
 
     python -m experiments.bench_conv        # prints a markdown table (about 3 minutes on 2 cores)
 
 1. Seconds per local step of FedReg's CNN (batch 20) inside a ``lax.scan`` of 20
-   SGD steps, with ``lax.conv_general_dilated``'s autodiff against
-   ``bfedjax.models.conv`` (the zoo's default).
+   SGD steps, with ``lax.conv_general_dilated``'s autodiff, with the custom-VJP
+   ``models.conv.loop_friendly_conv`` and with ``models.conv.matmul_conv``
+   (im2col; what the zoo uses on a CPU).
 2. Seconds per FedAvg round on the one-class protocol of
    ``experiments.fedreg_one_class`` (10 clients x 20 images, 5 local epochs),
-   clients vmapped together against one after another (``clients_per_chunk=1``).
+   clients vmapped together against one after another (``clients_per_chunk=1``),
+   with the zoo's convolutions.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ def step_in_scan(conv_impl, repeats: int) -> float:
     import optax
     import bfedjax as bf
     from bfedjax.models import zoo
-    saved, zoo.loop_friendly_conv = zoo.loop_friendly_conv, conv_impl  # the CNN looks the name up when traced
+    saved, zoo.zoo_conv = zoo.zoo_conv, conv_impl  # the CNN looks the name up when traced
     try:
         model = bf.models.get_model("fedreg_cnn", 10)
         params = bf.models.zoo.init_params(model, (28, 28, 1), jax.random.PRNGKey(0))
@@ -53,7 +55,18 @@ def step_in_scan(conv_impl, repeats: int) -> float:
 
         return _best_of(lambda: jax.jit(train)(params), repeats) / 20
     finally:
-        zoo.loop_friendly_conv = saved
+        zoo.zoo_conv = saved
+
+
+def with_lax_signature(impl):
+    """``impl(x, w, strides, pads)`` (``models.conv``'s NHWC convolutions) called as ``lax.conv_general_dilated``."""
+    from jax import lax
+
+    def conv(lhs, rhs, window_strides, padding, **unused):
+        if isinstance(padding, str):
+            padding = lax.padtype_to_pads(lhs.shape[1:3], rhs.shape[:2], window_strides, padding)
+        return impl(lhs, rhs, tuple(window_strides), tuple(tuple(p) for p in padding))
+    return conv
 
 
 def fedavg_round(clients_per_chunk, repeats: int) -> float:
@@ -73,9 +86,11 @@ def main(argv):
     del argv
     import jax
     from jax import lax
-    from bfedjax.models.conv import conv_general_dilated
+    from bfedjax.models import conv
     rows = [("CNN step in a scan, lax autodiff", step_in_scan(lax.conv_general_dilated, FLAGS.repeats)),
-            ("CNN step in a scan, bfedjax.models.conv", step_in_scan(conv_general_dilated, FLAGS.repeats)),
+            ("CNN step in a scan, loop_friendly_conv (custom VJP)",
+             step_in_scan(with_lax_signature(conv.loop_friendly_conv), FLAGS.repeats)),
+            ("CNN step in a scan, matmul_conv (im2col)", step_in_scan(with_lax_signature(conv.matmul_conv), FLAGS.repeats)),
             ("FedAvg round, 10 clients vmapped", fedavg_round(None, FLAGS.repeats)),
             ("FedAvg round, clients_per_chunk=1", fedavg_round(1, FLAGS.repeats))]
     print(f"device: {jax.devices()[0].device_kind}\n\n| measurement | seconds |\n|---|---|")

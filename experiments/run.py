@@ -100,7 +100,9 @@ flags.DEFINE_enum("on_nonfinite", "drop", ["drop", "stop"], "A client that sends
 flags.DEFINE_integer("rounds", 10, "Federated rounds R.")
 flags.DEFINE_integer("clients_per_round", None, "Cohort size K (default: all clients).")
 flags.DEFINE_float("participation", None, "Alternatively, the fraction of clients sampled each round.")
-flags.DEFINE_integer("clients_per_chunk", None, "Train the cohort in chunks of this many clients.")
+flags.DEFINE_string("clients_per_chunk", "auto", "Train the cohort in chunks of this many clients (1: one after "
+                    "another); 'none': the whole cohort in one vmap; 'auto': chosen from the platform, the model "
+                    "and the cohort (bfedjax.core.layout).")
 flags.DEFINE_enum("backend", "vmap", list(bf.core.BACKENDS), "Round engine backend (debug: jit off, errors name "
                   "the client and the stage).")
 flags.DEFINE_enum("augment", "none", list(bf.data.AUGMENTATIONS), "Augment every local mini-batch inside the "
@@ -137,7 +139,8 @@ flags.register_validator("alpha", lambda v: 0 < v < float("inf"),
 flags.register_validator("clients_per_round", lambda v: v is None or v >= 1, message="--clients_per_round must be >= 1")
 flags.register_validator("participation", lambda v: v is None or 0 < v <= 1,
                          message="--participation must be in (0, 1], e.g. --participation=0.1")
-flags.register_validator("clients_per_chunk", lambda v: v is None or v >= 1, message="--clients_per_chunk must be >= 1")
+flags.register_validator("clients_per_chunk", lambda v: v in ("auto", "none") or (v.isdigit() and int(v) >= 1),
+                         message="--clients_per_chunk must be auto, none or a number >= 1, e.g. --clients_per_chunk=2")
 flags.register_validator("pretrain_validation_fraction", lambda v: 0 <= v < 1,
                          message="--pretrain_validation_fraction must be in [0, 1), e.g. 0.1")
 flags.register_validator("pretrain_fraction", lambda v: 0 <= v < 1,
@@ -561,7 +564,7 @@ def main(argv):
         result = bf.simulate(
             algorithm, fed, rounds=FLAGS.rounds, key=jax.random.PRNGKey(FLAGS.seed),
             clients_per_round=FLAGS.clients_per_round, participation=FLAGS.participation,
-            clients_per_chunk=FLAGS.clients_per_chunk,
+            clients_per_chunk=clients_per_chunk(),
             backend=FLAGS.backend, client_weights=run.client_weights, evaluate_local=FLAGS.evaluate_local,
             checkpoint_dir=checkpoints, on_round=log, init_server=init_server,
             hparams_fn=learning_rate_fn(), client_groups=run.client_groups,
@@ -569,6 +572,12 @@ def main(argv):
             round_fractions=round_fractions(), attack=run.attack, on_nonfinite=FLAGS.on_nonfinite)
         log.end_rounds(result.metrics)  # metrics.jsonl complete (restored rounds included), progress bar closed
         finish(run, result, log)
+
+
+def clients_per_chunk() -> int | str | None:
+    """``--clients_per_chunk`` as ``simulate`` takes it: a number, ``None`` (one vmap) or ``"auto"``."""
+    value = FLAGS.clients_per_chunk
+    return None if value == "none" else value if value == "auto" else int(value)
 
 
 def finish(run: Experiment, result, log: round_log.RoundLog) -> None:
@@ -581,6 +590,7 @@ def finish(run: Experiment, result, log: round_log.RoundLog) -> None:
         "algorithm": algorithm.name, "dataset": run.dataset.name, "source": run.dataset.source,
         "flags": {f.name: f.value for module in (__name__, algorithm_flags.__name__)
                   for f in FLAGS.get_key_flags_for_module(sys.modules[module])},
+        "clients_per_chunk": result.clients_per_chunk,  # the layout the rounds ran with (None: one vmap)
         f"round1_global_{headline}": ga[0], f"final_global_{headline}": ga[-1], f"best_global_{headline}": max(ga),
         "rounds_to_target": {t: bf.metrics.rounds_to_target(ga, float(t)) for t in FLAGS.targets},
     }

@@ -73,6 +73,7 @@ def _one_error_line(result, needle: str) -> str:
     ("--clients_per_round=9", "--clients_per_round must be <="),
     ("--algorithm=fedsdg", "--algorithm"),
     ("--participation=2", "--participation must be in"),
+    ("--clients_per_chunk=0", "--clients_per_chunk must be auto, none or a number >= 1"),
     ("--client_weights=0.5", "--client_weights needs exactly"),
     ("--model=lenet --dropout_rate=0.2", "has no dropout layers"),
     ("--dp_clip=1 --algorithm=fola", "--dp_clip (DP-SGD) works with"),

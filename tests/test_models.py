@@ -164,17 +164,52 @@ def test_fedreg_cnn_uses_pytorch_default_bounds():
 @pytest.mark.parametrize("size,kernel,stride,padding", [(12, 3, 1, "SAME"), (11, 3, 2, "SAME"), (28, 5, 1, "VALID"),
                                                         (9, 1, 2, "VALID"), (10, 3, 2, ((1, 1), (1, 1))),
                                                         (13, 5, 3, "VALID")])
-def test_loop_friendly_conv_matches_lax(size, kernel, stride, padding):
-    """The custom-VJP convolution gives lax's value and both gradients (also when differentiated twice)."""
+@pytest.mark.parametrize("implementation", ["matmul_conv", "loop_friendly_conv"])
+def test_zoo_convolutions_match_lax(size, kernel, stride, padding, implementation):
+    """Both of the zoo's convolutions (im2col matrix product; custom VJP) give lax's value and both
+    gradients (also when differentiated twice)."""
     from jax import lax
-    from bfedjax.models.conv import conv_general_dilated as fast
+    from bfedjax.models import conv as zoo_conv
     x = jax.random.normal(jax.random.PRNGKey(0), (3, size, size, 2))
     w = jax.random.normal(jax.random.PRNGKey(1), (kernel, kernel, 2, 4))
     dn = lax.conv_dimension_numbers(x.shape, w.shape, ("NHWC", "HWIO", "NHWC"))
+    pads = padding if not isinstance(padding, str) else lax.padtype_to_pads((size, size), (kernel, kernel),
+                                                                            (stride, stride), padding)
+    impl = getattr(zoo_conv, implementation)
+    fast = lambda x, w, strides, padding, dimension_numbers: impl(x, w, strides, tuple(map(tuple, pads)))
     loss = lambda conv: lambda x, w: jnp.sum(jnp.sin(conv(x, w, (stride, stride), padding, dimension_numbers=dn)))
-    np.testing.assert_allclose(loss(fast)(x, w), loss(lax.conv_general_dilated)(x, w), rtol=1e-6)
+    np.testing.assert_allclose(loss(fast)(x, w), loss(lax.conv_general_dilated)(x, w), rtol=1e-5)
+    np.testing.assert_allclose(loss(zoo_conv.conv_general_dilated)(x, w), loss(lax.conv_general_dilated)(x, w),
+                               rtol=1e-5)  # the dispatcher
     for got, want in zip(jax.grad(loss(fast), argnums=(0, 1))(x, w),
                          jax.grad(loss(lax.conv_general_dilated), argnums=(0, 1))(x, w)):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     second = lambda conv: jax.grad(lambda x: jnp.sum(jax.grad(loss(conv), argnums=1)(x, w) ** 2))(x)
     np.testing.assert_allclose(second(fast), second(lax.conv_general_dilated), rtol=1e-3, atol=1e-4)
+
+
+def test_matmul_conv_under_a_client_vmap_is_a_batched_matrix_product():
+    """Per-client kernels under vmap: matmul_conv lowers to a batched dot, never a grouped convolution."""
+    from jax import lax
+    from bfedjax.models.conv import matmul_conv
+    xs = jax.random.normal(jax.random.PRNGKey(0), (4, 2, 9, 9, 3))   # [clients, N, H, W, I]
+    ws = jax.random.normal(jax.random.PRNGKey(1), (4, 3, 3, 3, 5))   # [clients, kh, kw, I, O]
+    per_client = jax.vmap(lambda x, w: matmul_conv(x, w, (1, 1), ((1, 1), (1, 1))))
+    primitives = {e.primitive.name for e in jax.make_jaxpr(per_client)(xs, ws).jaxpr.eqns}
+    assert "dot_general" in primitives and "conv_general_dilated" not in primitives
+    want = jnp.stack([lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+                      for x, w in zip(xs, ws)])
+    np.testing.assert_allclose(per_client(xs, ws), want, rtol=1e-5, atol=1e-5)
+
+
+def test_zoo_conv_takes_im2col_only_for_patch_matrices_that_fit():
+    """On a CPU a training batch's convolution is a matrix product; a large evaluation batch keeps lax's conv."""
+    from bfedjax.models import conv
+    w = jnp.zeros((5, 5, 32, 32))
+    small, large = jnp.zeros((10, 24, 24, 32)), jnp.zeros((1000, 24, 24, 32))
+    assert conv.patch_bytes(small, w, (1, 1), ((0, 0), (0, 0))) == 10 * 20 * 20 * 800 * 4
+    call = lambda x: conv.conv_general_dilated(x, w, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    names = lambda x: {e.primitive.name for e in jax.make_jaxpr(call)(x).jaxpr.eqns}
+    if jax.default_backend() == "cpu":
+        assert "conv_general_dilated" not in names(small) and "dot_general" in names(small)
+    assert "dot_general" not in names(large)  # loop_friendly_conv (a custom VJP around lax's conv)

@@ -13,7 +13,7 @@ def test_readme_algorithm_learns_and_chunking_changes_nothing():
     assert len(result.metrics["global_accuracy"]) == 5
     assert result.metrics["global_accuracy"][-1] > 0.6  # digits, 10 clients: it learns
     run = lambda **kw: bf.simulate(algo, fed, rounds=2, key=jax.random.PRNGKey(1), **kw)
-    vmapped, chunked, sequential = run(), run(clients_per_chunk=3), run(backend="sequential")
+    vmapped, chunked, sequential = run(clients_per_chunk=None), run(clients_per_chunk=3), run(backend="sequential")
     chex.assert_trees_all_close(chunked.state, vmapped.state, rtol=2e-5, atol=2e-6)
     chex.assert_trees_all_close(sequential.state, vmapped.state, rtol=2e-5, atol=2e-6)
     np.testing.assert_allclose(chunked.metrics["global_accuracy"], vmapped.metrics["global_accuracy"], atol=1e-6)

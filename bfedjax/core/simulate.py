@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bfedjax.core.attacks import Attack, flip_labels
+from bfedjax.core import layout
 from bfedjax.core.engine import EngineState, RoundArrays, RoundConfig, init_state, make_round_step
 from bfedjax.core.types import Algorithm
 
@@ -27,11 +28,13 @@ class SimulationResult:
     """metrics: per-round lists: ``round``, ``seconds``, the algorithm's client and server metrics, and
     the evaluate hook's ``global_<name>`` / ``local_<name>`` (for classification ``global_accuracy``,
     ``global_loss``, ``local_accuracy``, ``local_loss``, and ``best_global_accuracy``, the best so far);
-    state: the final ``EngineState``."""
+    state: the final ``EngineState``; clients_per_chunk: the layout the rounds ran with (``None``: the
+    whole cohort in one vmap; with ``"auto"``, what ``core.layout`` chose)."""
 
     algorithm: str
     metrics: dict
     state: EngineState
+    clients_per_chunk: int | None = None
 
     @property
     def best_global_accuracy(self) -> float:
@@ -115,7 +118,7 @@ def cohort_size(num_clients: int, clients_per_round: int | None = None, particip
 
 def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_per_round: int | None = None,
              participation: float | None = None,
-             clients_per_chunk: int | None = None, backend: str = "vmap", client_weights=None,
+             clients_per_chunk: int | str | None = layout.AUTO, backend: str = "vmap", client_weights=None,
              hparams_fn: Callable[[int], dict] | None = None, evaluate_local: bool = True,
              init_params=None, init_server=None, checkpoint_dir: str | None = None,
              mesh=None, client_groups=None, straggler_fraction: float = 0.0,
@@ -130,7 +133,10 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
       key: run key; model init uses ``fold_in(key, 0)``, round r uses ``fold_in(key, r)``.
       clients_per_round: cohort size K (default: all clients).
       participation: alternatively, K = round(participation * N), sampled afresh every round.
-      clients_per_chunk: train the cohort in chunks of this many clients (bounded memory).
+      clients_per_chunk: train the cohort in chunks of this many clients (1: one after another, no vmap;
+        bounded memory); ``None``: the whole cohort in one vmap; ``"auto"`` (default): chosen from the
+        platform, the model and the cohort by ``core.layout.auto_clients_per_chunk`` (the vmap backend
+        only; ``result.clients_per_chunk`` says which).
       backend: "vmap" (one jitted round), "sequential" or "stepwise" (reference loops) or
         "debug" (jit off; errors name the client and the stage).
       client_weights: ``[N]`` overrides pi_n = m_n/m (renormalised over each cohort);
@@ -173,7 +179,11 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
         k = num_clients if k == fed.num_clients else k  # everyone: the mesh's empty clients ride along, masked
         arrays = sharding.shard_arrays(sharding.pad_clients(arrays, num_clients), mesh)
         groups = None if groups is None else groups + (0,) * (num_clients - fed.num_clients)
-    config = RoundConfig(num_clients=num_clients, clients_per_round=k, clients_per_chunk=clients_per_chunk,
+    auto = isinstance(clients_per_chunk, str)
+    if auto and clients_per_chunk != layout.AUTO:
+        raise ValueError(f"clients_per_chunk={clients_per_chunk!r}; give a number of clients >= 1, None (one vmap) "
+                         f"or {layout.AUTO!r}")
+    config = RoundConfig(num_clients=num_clients, clients_per_round=k, clients_per_chunk=None if auto else clients_per_chunk,
                          evaluate_local=evaluate_local, pad_cohort_to=mesh.devices.size if mesh is not None else 1,
                          client_groups=groups, straggler_fraction=straggler_fraction,
                          straggler_weighting=straggler_weighting, attack=attack, on_nonfinite=on_nonfinite,
@@ -189,6 +199,8 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
         state = state._replace(server=init_server)
     if mesh is not None:
         state = sharding.shard_state(state, mesh)
+    if auto and backend == "vmap" and mesh is None:
+        config = dataclasses.replace(config, clients_per_chunk=auto_layout(algorithm, config, state))
     round_step = make_round_step(algorithm, config, backend)
 
     history: list[dict] = []
@@ -228,7 +240,19 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
     if checkpointer:
         checkpointer.close()
     metrics = {k: [h[k] for h in history] for k in history[0]}
-    return SimulationResult(algorithm.name, metrics, state)
+    return SimulationResult(algorithm.name, metrics, state, config.clients_per_chunk)
+
+
+def auto_layout(algorithm: Algorithm, config: RoundConfig, state: EngineState) -> int | None:
+    """``core.layout.auto_clients_per_chunk`` for this round, from the server's and clients' state."""
+    device = jax.devices()[0]
+    params = algorithm.global_params(state.server)
+    return layout.auto_clients_per_chunk(
+        convolutional=layout.has_conv_kernels(params, state.persistent),
+        server_bytes=layout.tree_bytes(state.server),
+        persistent_bytes_per_client=layout.tree_bytes(state.persistent) / config.num_clients,
+        cohort=config.clients_per_round, platform=device.platform,
+        device_memory_bytes=layout.device_memory_bytes(device))
 
 
 def _checked_groups(algorithm: Algorithm, client_groups, num_clients: int) -> tuple[int, ...] | None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
-from bfedjax.models.conv import conv_general_dilated as loop_friendly_conv
+from bfedjax.models.conv import conv_general_dilated as zoo_conv
 
 SHORTCUTS = ("projection", "pad")
 _CONV_INIT = nn.initializers.he_normal()
@@ -43,7 +43,7 @@ class _Unit(nn.Module):
     @nn.compact
     def __call__(self, x, train: bool, dropout: bool, mask):
         x = nn.Conv(self.features, (self.kernel, self.kernel), strides=(self.strides, self.strides),
-                    padding="SAME", use_bias=False, kernel_init=_CONV_INIT, conv_general_dilated=loop_friendly_conv)(x)
+                    padding="SAME", use_bias=False, kernel_init=_CONV_INIT, conv_general_dilated=zoo_conv)(x)
         if self.dropout_rate > 0:
             x = nn.Dropout(self.dropout_rate, deterministic=not (train or dropout))(x)
         return nn.BatchNorm(use_running_average=not train, momentum=self.bn_momentum, epsilon=1e-5)(x, mask=mask)

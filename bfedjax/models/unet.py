@@ -32,13 +32,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from bfedjax.models.conv import conv_general_dilated as loop_friendly_conv
+from bfedjax.models.conv import conv_general_dilated as zoo_conv
 
 
 def _conv_relu(x: jax.Array, features: int, kernel: int = 3) -> jax.Array:
     """``[B, H, W, cin] -> [B, H, W, features]``: SAME conv, Glorot kernel, zero bias, ReLU."""
     conv = nn.Conv(features, (kernel, kernel), padding="SAME", kernel_init=nn.initializers.xavier_uniform(),
-                   bias_init=nn.initializers.zeros, conv_general_dilated=loop_friendly_conv)
+                   bias_init=nn.initializers.zeros, conv_general_dilated=zoo_conv)
     return nn.relu(conv(x))
 
 
@@ -82,6 +82,6 @@ class UNet(nn.Module):
         for f, skip in zip(widths[-2::-1], skips[-2::-1]):
             x = _double_conv(jnp.concatenate([skip, _up2(x)], axis=-1), f)
         head = nn.Conv(self.out_channels, (1, 1), kernel_init=nn.initializers.xavier_uniform(),
-                       bias_init=nn.initializers.zeros, conv_general_dilated=loop_friendly_conv)
+                       bias_init=nn.initializers.zeros, conv_general_dilated=zoo_conv)
         logits = head(x)
         return logits[..., 0] if self.out_channels == 1 else logits

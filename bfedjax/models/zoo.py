@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
-from bfedjax.models.conv import conv_general_dilated as loop_friendly_conv
+from bfedjax.models.conv import conv_general_dilated as zoo_conv
 from bfedjax.models.apply import has_batch_stats
 from bfedjax.models.resnet import ResNet20
 from bfedjax.models.unet import UNet
@@ -58,7 +58,7 @@ def _dense(features: int, name: str | None = None) -> nn.Dense:
 def _conv(features: int, kernel: tuple[int, int], padding: str,
           name: str | None = None) -> nn.Conv:
     return nn.Conv(features, kernel_size=kernel, padding=padding,
-                   kernel_init=KERNEL_INIT, bias_init=BIAS_INIT, name=name, conv_general_dilated=loop_friendly_conv)
+                   kernel_init=KERNEL_INIT, bias_init=BIAS_INIT, name=name, conv_general_dilated=zoo_conv)
 
 
 def _flatten(x: jax.Array) -> jax.Array:
@@ -67,8 +67,10 @@ def _flatten(x: jax.Array) -> jax.Array:
 
 
 def _max_pool_2x2(x: jax.Array) -> jax.Array:
-    """``[B, H, W, C] -> [B, H//2, W//2, C]`` (floor, VALID)."""
-    return nn.max_pool(x, window_shape=(2, 2), strides=(2, 2), padding="VALID")
+    """``[B, H, W, C] -> [B, H//2, W//2, C]`` (floor, VALID), as a max over a reshape."""
+    b, h, w, c = x.shape
+    x = x[:, :h // 2 * 2, :w // 2 * 2, :].reshape(b, h // 2, 2, w // 2, 2, c)
+    return jnp.max(x, axis=(2, 4))
 
 
 class Logistic(nn.Module):
@@ -244,7 +246,7 @@ class FedRegCNN(nn.Module):
         def conv(x, features):
             fan_in = 25 * x.shape[-1]
             return nn.Conv(features, (5, 5), padding="VALID", kernel_init=TORCH_KERNEL_INIT,
-                           bias_init=_torch_uniform_init(fan_in), conv_general_dilated=loop_friendly_conv)(x)
+                           bias_init=_torch_uniform_init(fan_in), conv_general_dilated=zoo_conv)(x)
 
         def dense(x, features):
             return nn.Dense(features, kernel_init=TORCH_KERNEL_INIT, bias_init=_torch_uniform_init(x.shape[-1]))(x)

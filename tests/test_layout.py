@@ -1,0 +1,94 @@
+"""The layout simulate picks by itself (``clients_per_chunk="auto"``, ``bfedjax.core.layout``)."""
+import sys
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import bfedjax as bf
+from bfedjax.core import layout
+from bfedjax.core.engine import RoundConfig, init_state
+
+simulate_module = sys.modules["bfedjax.core.simulate"]
+
+
+@pytest.fixture(scope="module")
+def digits_fed():
+    data = bf.data.load("digits")
+    parts = bf.data.partition(data.y_train, "iid", 6, seed=0)
+    return bf.data.stack_clients(data.x_train, data.y_train, parts, x_test=data.x_test, y_test=data.y_test,
+                                 num_classes=10, name="digits")
+
+
+@pytest.fixture(scope="module")
+def images_fed():
+    """4 clients x 8 random 28x28x1 images (the CNN is only traced)."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 28, 28, 1)).astype(np.float32), rng.integers(0, 10, 32).astype(np.int32)
+    return bf.data.stack_clients(x, y, np.split(np.arange(32), 4), x_test=x[:4], y_test=y[:4], num_classes=10)
+
+
+def _state(algorithm, fed, client_groups=None):
+    config = RoundConfig(fed.num_clients, fed.num_clients, client_groups=client_groups)
+    params = algorithm.init_params(jax.random.PRNGKey(0), fed.input_shape)
+    return config, init_state(algorithm, params, config)
+
+
+def test_convolutional_models_are_recognised_by_their_kernels(digits_fed, images_fed):
+    """Conv kernels [H, W, I, O] in the global model, or [N_group, H, W, I, O] in grouped local models."""
+    cnn = bf.algorithms.build("fedavg", bf.models.get_model("lenet", 10), images_fed, batch_size=4)
+    mlp = bf.algorithms.build("fedavg", bf.models.get_model("mlp", 10, hidden=(32,)), digits_fed, batch_size=16)
+    _, cnn_state = _state(cnn, images_fed)
+    _, mlp_state = _state(mlp, digits_fed)
+    assert layout.has_conv_kernels(cnn.global_params(cnn_state.server), cnn_state.persistent)
+    assert not layout.has_conv_kernels(mlp.global_params(mlp_state.server), mlp_state.persistent)
+    # HBFL with an MLP meme and CNN local models: only the clients' persistent state holds conv kernels.
+    local_models, groups = bf.models.client_architectures("mlp:2,lenet:2", 4, num_classes=10)
+    hbfl = bf.algorithms.build("hbfl", bf.models.get_model("mlp", 10, hidden=(16,)), images_fed,
+                               local_models=local_models, batch_size=4)
+    config, state = _state(hbfl, images_fed, groups)
+    assert not layout.has_conv_kernels(hbfl.global_params(state.server))
+    assert layout.has_conv_kernels(hbfl.global_params(state.server), state.persistent)
+    assert simulate_module.auto_layout(hbfl, config, state) == (1 if jax.default_backend() == "cpu" else None)
+
+
+def test_dense_chunks_fit_the_cache_and_accelerators_chunk_only_for_memory():
+    server_bytes = 10_000
+    client = layout.STATE_COPIES * server_bytes + 100
+    cache = int(client * 3.5 / layout.CACHE_SHARE)  # room for 3 clients' state
+    pick = lambda convolutional=False, **kw: layout.auto_clients_per_chunk(
+        convolutional=convolutional, server_bytes=server_bytes, persistent_bytes_per_client=100, **kw)
+    assert pick(cohort=6, platform="cpu", cache_bytes=cache) == 3
+    assert pick(cohort=2, platform="cpu", cache_bytes=cache) == 2  # never more than the cohort
+    assert pick(cohort=6, platform="cpu", cache_bytes=client) == 1  # never less than one client
+    assert pick(convolutional=True, cohort=6, platform="cpu", cache_bytes=cache) == 1  # no grouped convolutions
+    roomy = int(6 * client / layout.MEMORY_SHARE) + 1
+    assert pick(cohort=6, platform="gpu", device_memory_bytes=roomy) is None  # one vmap: padding runs in parallel
+    assert pick(convolutional=True, cohort=6, platform="gpu", device_memory_bytes=roomy) is None
+    assert pick(cohort=6, platform="gpu", device_memory_bytes=None) is None
+    assert pick(cohort=60, platform="gpu", device_memory_bytes=roomy) == 6  # 60 clients' state would not fit
+
+
+def test_simulate_reports_the_auto_layout_and_it_changes_only_rounding(digits_fed):
+    mlp = bf.algorithms.build("fedavg", bf.models.get_model("mlp", 10, hidden=(32,)), digits_fed, batch_size=16)
+    config, state = _state(mlp, digits_fed)
+    expected = simulate_module.auto_layout(mlp, config, state)
+    run = lambda chunk: bf.simulate(mlp, digits_fed, rounds=2, key=jax.random.PRNGKey(3), clients_per_chunk=chunk)
+    auto, one_vmap = run("auto"), run(None)
+    assert auto.clients_per_chunk == expected and one_vmap.clients_per_chunk is None
+    if jax.default_backend() == "cpu":  # a small dense model: several clients' state fits the cache
+        assert expected == min(digits_fed.num_clients, max(1, int(
+            layout.CACHE_SHARE * layout.last_level_cache_bytes()
+            // (layout.STATE_COPIES * layout.tree_bytes(state.server)))))
+    chex.assert_trees_all_close(auto.state.server, one_vmap.state.server, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(auto.metrics["global_accuracy"], one_vmap.metrics["global_accuracy"], atol=2e-3)
+    with pytest.raises(ValueError, match="give a number of clients >= 1, None"):
+        run("fast")
+
+
+def test_cache_size_is_read_from_the_os():
+    size = layout.last_level_cache_bytes()
+    assert isinstance(size, int) and size >= 2**15
+    assert layout.tree_bytes({"a": jnp.zeros((3, 4)), "b": jnp.zeros(5, jnp.int8)}) == 3 * 4 * 4 + 5
