@@ -380,7 +380,8 @@ def previous_rows(path: str) -> tuple[list[dict], float | None, float | None]:
         raise app.UsageError(f"--resume: {path} was measured on {report['machine']['device']!r}, this is {kind!r}; "
                              "fix: pass another --output_dir or drop --resume")
     print(f"resuming: {len(report['rows'])} rows kept from {path}", flush=True)
-    return report["rows"], report["matmul_peak_gflops"] * 1e9, report["memory_gb_per_s"] * 1e9
+    bandwidth = report.get("memory_gb_per_s")  # absent in reports from before the roofline column
+    return report["rows"], report["matmul_peak_gflops"] * 1e9, bandwidth * 1e9 if bandwidth else None
 
 
 def write_report(machine: dict, peak: float, bandwidth: float, data_name: str, rows: list[dict]) -> str:
