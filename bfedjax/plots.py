@@ -36,6 +36,15 @@ def _axes(ax, figsize=(6.4, 4.2)):
     return plt.figure(figsize=figsize).add_subplot()
 
 
+def _titled(ax, title: str, grid_which: str = "major"):
+    """Title, a light grid, and a legend when something is plotted; returns the figure."""
+    ax.set_title(title)
+    ax.grid(alpha=0.3, which=grid_which)
+    if ax.lines:
+        ax.legend(fontsize="small")
+    return ax.figure
+
+
 def _integer_x(ax) -> None:
     """Whole-number ticks on the x axis (rounds, client ranks)."""
     from matplotlib.ticker import MaxNLocator
@@ -65,12 +74,8 @@ def learning_curves(runs: Mapping[str, Mapping[str, Sequence[float]]],
     ax.set_xlabel("round")
     _integer_x(ax)
     ax.set_ylabel(" / ".join(SHORT_NAMES.get(m, m) for m in metrics))
-    ax.set_title(title or "Learning curves (" + ", ".join(
+    return _titled(ax, title or "Learning curves (" + ", ".join(
         f"{SHORT_NAMES.get(m, m)} {s}" for m, s in zip(metrics, ("solid", "dashed", "dotted", "dash-dot"))) + ")")
-    ax.grid(alpha=0.3)
-    if ax.lines:
-        ax.legend(fontsize="small")
-    return ax.figure
 
 
 def reliability_diagram(p_bar, labels, num_bins: int = 15, ax=None, label: str | None = None):
@@ -133,11 +138,7 @@ def accuracy_vs_retained(curves: Mapping[str, tuple[Sequence[float], Sequence[fl
         ax.plot(fractions, accuracies, marker="o", markersize=3, color=f"C{i % 10}", label=name)
     ax.set_xlabel("fraction of the test set retained (most certain first)")
     ax.set_ylabel("accuracy")
-    ax.set_title("Accuracy vs retained data (by predictive entropy)")
-    ax.grid(alpha=0.3)
-    if ax.lines:
-        ax.legend(fontsize="small")
-    return ax.figure
+    return _titled(ax, "Accuracy vs retained data (by predictive entropy)")
 
 
 def posterior_scale(runs: Mapping[str, Mapping[str, Sequence[float]]],
@@ -160,11 +161,7 @@ def posterior_scale(runs: Mapping[str, Mapping[str, Sequence[float]]],
     ax.set_xlabel("round")
     _integer_x(ax)
     ax.set_ylabel(" / ".join(metrics))
-    ax.set_title("Posterior scale per round")
-    ax.grid(alpha=0.3, which="both")
-    if ax.lines:
-        ax.legend(fontsize="small")
-    return ax.figure
+    return _titled(ax, "Posterior scale per round", grid_which="both")
 
 
 def per_client_accuracy(accuracies: Mapping[str, Sequence[float]], ax=None):
@@ -185,11 +182,7 @@ def per_client_accuracy(accuracies: Mapping[str, Sequence[float]], ax=None):
     ax.set_xlabel("client (sorted by accuracy)")
     _integer_x(ax)
     ax.set_ylabel("accuracy")
-    ax.set_title("Per-client accuracy")
-    ax.grid(alpha=0.3)
-    if ax.lines:
-        ax.legend(fontsize="small")
-    return ax.figure
+    return _titled(ax, "Per-client accuracy")
 
 
 def save(fig, path: str, dpi: int = 120) -> str:

@@ -179,18 +179,6 @@ def federate(data, config: Config):
                                  y_test=data.y_test[:1000], num_classes=10, name=data.name)
 
 
-def matmul_peak_flops(n: int | None = None, repeats: int = 10) -> float:
-    """FLOP/s of an n x n float32 matrix product (n = 1024 on a CPU, 8192 on an accelerator)."""
-    import jax
-    n = n or (1024 if jax.default_backend() == "cpu" else 8192)
-    a = jax.random.normal(jax.random.PRNGKey(0), (n, n))
-    b = jax.random.normal(jax.random.PRNGKey(1), (n, n))
-    f = jax.jit(lambda a, b: a @ b)
-    f(a, b).block_until_ready()
-    best = min(_timed(lambda: f(a, b).block_until_ready()) for _ in range(repeats))
-    return 2 * n ** 3 / best
-
-
 def _timed(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -272,7 +260,7 @@ def main(argv):
     rounds = FLAGS.rounds or 3
     rows, peak, bandwidth = (previous_rows(os.path.join(FLAGS.output_dir, "bench.json")) if FLAGS.resume
                              else ([], None, None))
-    peak = peak or matmul_peak_flops()
+    peak = peak or bench_anchors.matmul_peak_flops()
     bandwidth = bandwidth or bench_anchors.memory_bandwidth_bytes_per_s()
     device = jax.devices()[0]
     on_cpu = device.platform == "cpu"

@@ -3,7 +3,8 @@
 * ``centralised_round_seconds``: the ceiling a federated round can approach, ONE model
   trained centrally on the same samples with the same number of sequential steps
   (``n / B`` SGD steps of ``K * B`` samples, one jitted ``lax.scan``);
-* ``memory_bandwidth_bytes_per_s``: the machine's measured streaming bandwidth;
+* ``matmul_peak_flops``, ``memory_bandwidth_bytes_per_s``: the machine's measured dense-matmul
+  peak and streaming bandwidth;
 * ``round_traffic_bytes``: the parameter traffic of a round's local steps;
 * ``roofline_seconds``: the roofline bound ``max(FLOPs / peak, bytes / bandwidth)``.
 
@@ -102,6 +103,17 @@ def centralised_round_seconds(model, fed, batch_size: int, rounds: int = 3, lr: 
     epoch = make_centralised_epoch(model, lr)
     first = _best_seconds(lambda: jax.block_until_ready(epoch(params, x, y)), 1)
     return first, _best_seconds(lambda: jax.block_until_ready(epoch(params, x, y)), rounds)
+
+
+def matmul_peak_flops(n: int | None = None, repeats: int = 10) -> float:
+    """FLOP/s of an n x n float32 matrix product (n = 1024 on a CPU, 8192 on an accelerator)."""
+    import jax
+    n = n or (1024 if jax.default_backend() == "cpu" else 8192)
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n))
+    b = jax.random.normal(jax.random.PRNGKey(1), (n, n))
+    f = jax.jit(lambda a, b: a @ b)
+    f(a, b).block_until_ready()
+    return 2 * n ** 3 / _best_seconds(lambda: f(a, b).block_until_ready(), repeats)
 
 
 def memory_bandwidth_bytes_per_s(n_bytes: int | None = None, repeats: int = 10) -> float:
