@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from bfedjax.losses import masked_mean_cross_entropy
 from bfedjax.metrics.classification import evaluate as classification_metrics
-from bfedjax.metrics.classification import padded_batches
+from bfedjax.metrics.classification import EVAL_BATCH_SIZE, map_real_batches, padded_batches
 from bfedjax.models.apply import apply_fn_of, has_dropout, mc_predict_proba
 
 
@@ -60,7 +60,6 @@ def in_batches(fn: Callable, x: jax.Array, batch_size: int) -> jax.Array:
     return out.reshape((out.shape[0], -1) + out.shape[3:])[:, : x.shape[0]]
 
 
-EVAL_BATCH_SIZE = 1000  # test examples per evaluation batch
 PREDICT_BATCH_SIZE = 500  # test examples per predictive batch (M samples of each are held at once)
 
 
@@ -119,7 +118,7 @@ def segmentation(model, *, dice_weight: float = 1.0, eval_batch_size: int = SEGM
         xb, yb, mb = padded_batches(x, y, eval_batch_size)
         if mask is not None:
             mb = mb * padded_batches(jnp.zeros(y.shape[:1]), jnp.asarray(mask, jnp.float32), eval_batch_size)[1]
-        sums = jax.lax.map(lambda b: seg.evaluate_batch(apply_fn(params, b[0]), b[1], b[2]), (xb, yb, mb))
+        sums = map_real_batches(lambda b: seg.evaluate_batch(apply_fn(params, b[0]), b[1], b[2]), (xb, yb, mb), mb)
         scores = seg.summarize(jax.tree.map(lambda v: jnp.sum(v, axis=0), sums))
         return {name: value for name, value in scores.items() if name != "count"}
 

@@ -6,7 +6,11 @@ r"""Why the zoo's convolutions are matrix products on a CPU, and why CPU runs ta
    SGD steps, with ``lax.conv_general_dilated``'s autodiff, with the custom-VJP
    ``models.conv.loop_friendly_conv`` and with ``models.conv.matmul_conv``
    (im2col; what the zoo uses on a CPU).
-2. Seconds per FedAvg round on the one-class protocol of
+2. Seconds to evaluate HBFL's CNN2 on the 10,000 Fashion-MNIST test images
+   (``metrics.classification.evaluate``) in batches of 1,000 and of 250
+   (``EVAL_BATCH_SIZE``), with the zoo's dispatcher (``lax``'s convolution when
+   nothing is differentiated) and with ``matmul_conv`` for every batch.
+3. Seconds per FedAvg round on the one-class protocol of
    ``experiments.fedreg_one_class`` (10 clients x 20 images, 5 local epochs),
    clients vmapped together against one after another (``clients_per_chunk=1``),
    with the zoo's convolutions.
@@ -69,6 +73,25 @@ def with_lax_signature(impl):
     return conv
 
 
+def evaluation(conv_impl, batch_size: int, repeats: int) -> float:
+    """Seconds to score CNN2 on the Fashion-MNIST test set in batches of ``batch_size`` with ``conv_impl``."""
+    import jax
+    import jax.numpy as jnp
+    import bfedjax as bf
+    from bfedjax.models import zoo
+    data = bf.data.load("fashion_mnist", max_train=1000, seed=0)
+    x, y = jnp.asarray(data.x_test), jnp.asarray(data.y_test)
+    saved, zoo.zoo_conv = zoo.zoo_conv, conv_impl
+    try:
+        model = bf.models.get_model("cnn2", 10)
+        params = zoo.init_params(model, (28, 28, 1), jax.random.PRNGKey(0))
+        score = jax.jit(lambda p: bf.metrics.classification.evaluate(
+            lambda p, xb: model.apply({"params": p}, xb), p, x, y, batch_size))
+        return _best_of(lambda: score(params), repeats)
+    finally:
+        zoo.zoo_conv = saved
+
+
 def fedavg_round(clients_per_chunk, repeats: int) -> float:
     """Seconds per FedAvg round (CNN, 10 one-class clients, 5 epochs)."""
     import jax
@@ -91,6 +114,9 @@ def main(argv):
             ("CNN step in a scan, loop_friendly_conv (custom VJP)",
              step_in_scan(with_lax_signature(conv.loop_friendly_conv), FLAGS.repeats)),
             ("CNN step in a scan, matmul_conv (im2col)", step_in_scan(with_lax_signature(conv.matmul_conv), FLAGS.repeats)),
+            *((f"CNN2 evaluation, 10,000 images in batches of {b}, {name}", evaluation(impl, b, FLAGS.repeats))
+              for b in (1000, 250) for name, impl in (("zoo dispatcher (lax conv)", conv.conv_general_dilated),
+                                                      ("matmul_conv", with_lax_signature(conv.matmul_conv)))),
             ("FedAvg round, 10 clients vmapped", fedavg_round(None, FLAGS.repeats)),
             ("FedAvg round, clients_per_chunk=1", fedavg_round(1, FLAGS.repeats))]
     print(f"device: {jax.devices()[0].device_kind}\n\n| measurement | seconds |\n|---|---|")

@@ -192,14 +192,24 @@ def test_train_and_test_splits_share_dirichlet_proportions(digits):
     assert np.abs(mix - 0.1).max() < 0.05  # alpha = 100: near-uniform label mixes
 
 
-def test_client_test_metrics_use_each_clients_split(fed_with_tests, tiny_model, tiny_params):
+@pytest.mark.parametrize("chunk", [None, 1])  # vmapped (padding batches scored and masked) and in turn (skipped)
+def test_client_test_metrics_use_each_clients_split(fed_with_tests, tiny_model, tiny_params, chunk):
     algo = bf.algorithms.fedavg(tiny_model, lr=0.0, batch_size=32)  # lr 0: every local model is tiny_params
-    _, metrics = _one_round(algo, fed_with_tests, tiny_params, RoundConfig(5, 5))
+    _, metrics = _one_round(algo, fed_with_tests, tiny_params, RoundConfig(5, 5, clients_per_chunk=chunk))
     task = bf.tasks.classification(tiny_model)
     own = [task.evaluate(tiny_params, *(a[:int(fed_with_tests.test_counts[n])] for a in
                                         (fed_with_tests.x_test_clients[n], fed_with_tests.y_test_clients[n])))
            for n in range(5)]
     np.testing.assert_allclose(metrics["client_test_accuracy"], np.mean([o["accuracy"] for o in own]), rtol=1e-5)
+
+
+def test_evaluation_skips_batches_that_are_all_padding():
+    """``map_real_batches`` scores a batch only if it holds a real row: the others are zeros, not ``score``'s value."""
+    from bfedjax.metrics.classification import map_real_batches, padded_batches
+    x = jnp.arange(10.0)
+    xb, _, mb = padded_batches(x, x, 4)                    # batches of 4, 4 and 2 (+2 padding) rows
+    mask = mb * (jnp.arange(12).reshape(3, 4) < 5)          # a client split with 5 real rows: batches 0 and 1
+    np.testing.assert_allclose(map_real_batches(lambda b: jnp.sum(b) + 100.0, xb, mask), [106.0, 122.0, 0.0])
 
 
 # --- HBFL (spec section 8) --------------------------------------------------------------------------

@@ -202,14 +202,26 @@ def test_matmul_conv_under_a_client_vmap_is_a_batched_matrix_product():
     np.testing.assert_allclose(per_client(xs, ws), want, rtol=1e-5, atol=1e-5)
 
 
-def test_zoo_conv_takes_im2col_only_for_patch_matrices_that_fit():
-    """On a CPU a training batch's convolution is a matrix product; a large evaluation batch keeps lax's conv."""
+def test_zoo_conv_takes_im2col_only_for_trained_patch_matrices_that_fit():
+    """On a CPU a training batch's convolution is a matrix product under grad and lax's conv without one;
+    a large batch keeps lax's conv (loop_friendly_conv) either way."""
     from bfedjax.models import conv
     w = jnp.zeros((5, 5, 32, 32))
     small, large = jnp.zeros((10, 24, 24, 32)), jnp.zeros((1000, 24, 24, 32))
     assert conv.patch_bytes(small, w, (1, 1), ((0, 0), (0, 0))) == 10 * 20 * 20 * 800 * 4
-    call = lambda x: conv.conv_general_dilated(x, w, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
-    names = lambda x: {e.primitive.name for e in jax.make_jaxpr(call)(x).jaxpr.eqns}
+    call = lambda x, w: conv.conv_general_dilated(x, w, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    trained = jax.grad(lambda w, x: jnp.sum(call(x, w)))
+
+    def names(fn, x):
+        from jax.extend.core import jaxprs_in_params
+        found, todo = set(), [jax.make_jaxpr(fn)(w, x).jaxpr]
+        while todo:  # through the custom-VJP and jit sub-jaxprs
+            for eqn in todo.pop().eqns:
+                found.add(eqn.primitive.name)
+                todo += list(jaxprs_in_params(eqn.params))
+        return found
+
     if jax.default_backend() == "cpu":
-        assert "conv_general_dilated" not in names(small) and "dot_general" in names(small)
-    assert "dot_general" not in names(large)  # loop_friendly_conv (a custom VJP around lax's conv)
+        assert "dot_general" in names(trained, small) and "conv_general_dilated" not in names(trained, small)
+        assert "conv_general_dilated" in names(lambda w, x: call(x, w), small)  # evaluation: no patches
+    assert "dot_general" not in names(trained, large)  # loop_friendly_conv (a custom VJP around lax's conv)

@@ -14,8 +14,10 @@ convolutions the zoo uses (2-D, NHWC/HWIO, any strides and padding, no
 dilation, one group; anything else goes to ``lax``). It picks by platform:
 
 * CPU, when the patch matrix fits in ``MATMUL_CONV_MAX_BYTES`` (a client's
-  training batch; per client under a vmap): ``matmul_conv``, the convolution
-  as one matrix product over im2col patches. XLA:CPU's convolutions inside
+  training batch; per client under a vmap): ``matmul_trained_conv``, which is
+  ``matmul_conv``, the convolution as one matrix product over im2col patches,
+  where it is differentiated, and ``lax``'s forward convolution where it is
+  not (evaluation, a teacher's predictions). XLA:CPU's convolutions inside
   these loops hardly use a second core, and under a client vmap they become
   grouped convolutions; its matrix products use every core, and a vmap turns
   them into batched products (``python -m experiments.bench_conv``, 2 cores:
@@ -70,7 +72,7 @@ def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, r
     pads = tuple((int(lo), int(hi)) for lo, hi in padding)
     strides = tuple(int(s) for s in window_strides)
     if jax.default_backend() == "cpu" and patch_bytes(lhs, rhs, strides, pads) <= MATMUL_CONV_MAX_BYTES:
-        return matmul_conv(lhs, rhs, strides, pads, precision)
+        return matmul_trained_conv(lhs, rhs, strides, pads, precision)
     return loop_friendly_conv(lhs, rhs, strides, pads, precision)
 
 
@@ -98,6 +100,34 @@ def matmul_conv(x, w, strides: tuple[int, int], pads, precision=None):
              for a in range(kh) for b in range(kw)]
     cols = views[0] if len(views) == 1 else jnp.concatenate(views, axis=-1)
     return jnp.dot(cols, w.reshape(-1, out), precision=precision)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def matmul_trained_conv(x, w, strides: tuple[int, int], pads, precision=None):
+    """``matmul_conv`` where it is differentiated, ``lax``'s convolution where it is not.
+
+    ``x [N, H, W, I]``, ``w [kh, kw, I, O]`` -> ``[N, OH, OW, O]``. Evaluation and teacher
+    predictions (no gradient) take XLA's own forward convolution and never build the patch
+    matrix (CNN2 on 10,000 test images in batches of 1,000, 2 cores: 0.95 s against 1.91 s
+    through the patches; ``python -m experiments.bench_conv``); under ``grad`` the forward is
+    ``matmul_conv``'s matrix product, whose patches its backward reuses (values and gradients
+    as ``matmul_conv``'s). Under a client vmap an undifferentiated call is a grouped convolution
+    (a CPU runs convolutional models' clients in turn by default, ``core.layout``). Forward-mode
+    autodiff is not defined (as for ``loop_friendly_conv``).
+    """
+    return _forward(x, w, strides, pads, precision)
+
+
+def _trained_fwd(x, w, strides, pads, precision):
+    return jax.vjp(lambda x, w: matmul_conv(x, w, strides, pads, precision), x, w)
+
+
+def _trained_bwd(strides, pads, precision, vjp, dy):
+    del strides, pads, precision
+    return vjp(dy)
+
+
+matmul_trained_conv.defvjp(_trained_fwd, _trained_bwd)
 
 
 def _forward(x, w, strides, pads, precision):
