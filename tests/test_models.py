@@ -164,9 +164,9 @@ def test_fedreg_cnn_uses_pytorch_default_bounds():
 @pytest.mark.parametrize("size,kernel,stride,padding", [(12, 3, 1, "SAME"), (11, 3, 2, "SAME"), (28, 5, 1, "VALID"),
                                                         (9, 1, 2, "VALID"), (10, 3, 2, ((1, 1), (1, 1))),
                                                         (13, 5, 3, "VALID")])
-@pytest.mark.parametrize("implementation", ["matmul_conv", "loop_friendly_conv"])
+@pytest.mark.parametrize("implementation", ["matmul_conv", "matmul_trained_conv", "loop_friendly_conv"])
 def test_zoo_convolutions_match_lax(size, kernel, stride, padding, implementation):
-    """Both of the zoo's convolutions (im2col matrix product; custom VJP) give lax's value and both
+    """The zoo's convolutions (im2col matrix product, also only under grad; custom VJP) give lax's value and both
     gradients (also when differentiated twice)."""
     from jax import lax
     from bfedjax.models import conv as zoo_conv
