@@ -166,7 +166,8 @@ def test_bench_targets_follow_the_platform():
             row("mlp K=1000 B=10", "fedavg", "torch.func+compile", 0.2),
             row("mlp K=100 B=10", "fedavg", "vmap", 0.9), row("mlp K=100 B=10", "fedavg", "vmap/c1", 0.5),
             row("mlp K=100 B=10", "fedavg", "vmap/c2", 0.6, default=True),
-            row("mlp K=100 B=10", "fedavg", "stepwise", 1.5), row("mlp K=100 B=10", "fedavg", "centralised", 0.3)]
+            row("mlp K=100 B=10", "fedavg", "stepwise", 1.5), row("mlp K=100 B=10", "fedavg", "centralised", 0.3),
+            {**row(bench.RESNET_COMPILE_CONFIG, "bfl", "vmap", 2.0, default=True), "compile_s": 35.0}]
     on_cpu = {t["target"]: t for t in bench.check_targets(rows, "cpu")}
     on_gpu = {t["target"]: t for t in bench.check_targets(rows, "gpu")}
     k100 = "default speed-up over stepwise, mlp K=100 B=10 (FedAvg)"
@@ -180,6 +181,9 @@ def test_bench_targets_follow_the_platform():
     assert on_cpu[torch_func]["met"] is None and "GPU goal" in on_cpu[torch_func]["goal"]
     ceiling = on_gpu["fraction of the centralised ceiling, mlp K=100 B=10 (FedAvg)"]
     assert ceiling["value"] == pytest.approx(0.5) and ceiling["met"] is True
+    compile_target = f"compile seconds, variational ResNet-20 round ({bench.RESNET_COMPILE_CONFIG}, bfl)"
+    assert on_gpu[compile_target]["met"] is False and on_gpu[compile_target]["value"] == 35.0  # 35 s > 20 s
+    assert on_cpu[compile_target]["met"] is None
     layout = [t for name, t in on_cpu.items() if name.startswith("default layout / fastest library variant")]
     assert len(layout) == 1 and layout[0]["value"] == pytest.approx(1.2) and layout[0]["met"] is False
     text = bench.markdown({"machine": {"platform": "gpu", "device": "x", "cpu_count": 1, "jax": "0"},
