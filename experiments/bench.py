@@ -77,6 +77,9 @@ flags.DEFINE_integer("samples_per_client", 100, "Samples per client in the unifo
 flags.DEFINE_list("cpu_chunks", ["1", "2", "5"], "On a CPU, also time the round in chunks of these many clients on "
                   "uniform configurations (smaller working set: faster on CPU caches); empty skips them.")
 flags.DEFINE_string("output_dir", "results/bench", "Where bench.json and bench.md go (rewritten after every row).")
+flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16", "float16"], "The library's and the "
+                  "centralised ceiling's compute dtype (models.get_model; parameters stay float32); the PyTorch "
+                  "rows stay float32. Give bfloat16 runs their own --output_dir.")
 flags.DEFINE_bool("resume", False, "Keep the rows of --output_dir/bench.json (a run cut off on the same machine) "
                   "and time only the missing ones.")
 errors.check_list("backends", lambda b: b in BACKENDS, f"among {', '.join(BACKENDS)}", "vmap,stepwise")
@@ -211,7 +214,8 @@ def time_library(algorithm, fed, config: Config, backend: str, rounds: int) -> d
                                evaluate_local=False)
     params = algorithm.init_params(jax.random.PRNGKey(0), fed.input_shape)
     state, arrays = init_state(algorithm, params, round_config), round_arrays(fed)
-    step = make_round_step(algorithm, round_config, backend)
+    state = jax.tree.map(jax.numpy.copy, state)  # donated below: not init_params' own buffers
+    step = make_round_step(algorithm, round_config, backend, donate_state=backend == "vmap")  # as simulate runs it
     out = {}
     if backend == "vmap":  # compile once, ahead of time: the executable gives the memory analysis and runs
         start = time.perf_counter()
@@ -219,12 +223,15 @@ def time_library(algorithm, fed, config: Config, backend: str, rounds: int) -> d
         out["compile_only_s"] = time.perf_counter() - start
         mem = step.memory_analysis()
         if mem is not None:
-            out["memory_mb"] = (mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes) / 2**20
+            out["memory_mb"] = (mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
+                                - mem.alias_size_in_bytes) / 2**20  # the donated state is held once
     times = []
     for r in range(rounds + 1):
         hp = traced_hparams(algorithm, r + 1)
-        t = _timed(lambda: jax.block_until_ready(step(state, arrays, jax.random.PRNGKey(r), hp)))
-        times.append(t)
+        start = time.perf_counter()
+        state, metrics = step(state, arrays, jax.random.PRNGKey(r), hp)
+        jax.block_until_ready((state, metrics))
+        times.append(time.perf_counter() - start)
     out["compile_s"] = times[0] + out.get("compile_only_s", 0.0)  # compile + first (warm-up) round
     out["round_s"] = min(times[1:])
     return out
@@ -272,7 +279,8 @@ def main(argv):
     device = jax.devices()[0]
     on_cpu = device.platform == "cpu"
     machine = {"platform": device.platform, "device": str(device.device_kind), "cpu_count": os.cpu_count(),
-               "processor": platform.processor() or platform.machine(), "jax": jax.__version__}
+               "processor": platform.processor() or platform.machine(), "jax": jax.__version__,
+               "compute_dtype": FLAGS.compute_dtype}
     data = {shape: load_images(shape) for shape in {INPUT_SHAPES["mlp"]}}
     print(f"machine: {machine}; matmul peak {peak / 1e9:.1f} GFLOP/s; memory bandwidth {bandwidth / 1e9:.1f} GB/s; "
           f"data: {data[INPUT_SHAPES['mlp']].name}", flush=True)
@@ -290,7 +298,8 @@ def main(argv):
         if shape not in data:
             data[shape] = load_images(shape)
         if config.model not in models:
-            models[config.model] = bf.models.get_model(config.model, 10, hidden=(200, 200))
+            models[config.model] = bf.models.get_model(config.model, 10, hidden=(200, 200),
+                                                       compute_dtype=FLAGS.compute_dtype)
             flops[config.model] = training_flops_per_sample(models[config.model], shape)
             param_counts[config.model] = sum(
                 p.size for p in jax.tree.leaves(bf.models.zoo.init_params(models[config.model], shape,

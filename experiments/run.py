@@ -46,6 +46,8 @@ flags.DEFINE_enum("task", "classification", list(bf.tasks.TASKS), "What the mode
                   "loss; Dice, IoU and HD95 reported; fedavg, fedprox and fedref).")
 flags.DEFINE_enum("model", "mlp", list(bf.models.MODELS), "Model architecture.")
 flags.DEFINE_list("hidden", ["200", "200"], "Hidden widths of --model=mlp.")
+flags.DEFINE_enum("compute_dtype", "float32", list(bf.models.COMPUTE_DTYPES), "Dtype of the models' activations "
+                  "and matrix products; bfloat16 is mixed precision (parameters, optimiser and logits stay float32).")
 flags.DEFINE_float("dropout_rate", 0.0, "MC dropout (MLPs, resnet20): dropout layers of this rate, on at test time "
                    "(Fischer et al.'s baseline: --algorithm=fedavg --dropout_rate=0.2).")
 # Data.
@@ -322,7 +324,8 @@ def architecture_setting(dataset, model):
     try:
         models, groups = bf.models.client_architectures(
             FLAGS.client_architectures, FLAGS.num_clients, num_classes=dataset.num_classes,
-            hidden=tuple(int(h) for h in FLAGS.hidden), shuffle_seed=FLAGS.shuffle_architectures)
+            hidden=tuple(int(h) for h in FLAGS.hidden), shuffle_seed=FLAGS.shuffle_architectures,
+            compute_dtype=FLAGS.compute_dtype)
     except ValueError as err:
         raise app.UsageError(f"--client_architectures: {err}") from None
     return {"local_models": models}, groups
@@ -355,7 +358,7 @@ def make_partition(labels):
 def make_model(num_classes: int):
     try:
         return bf.models.get_model(FLAGS.model, num_classes, hidden=tuple(int(h) for h in FLAGS.hidden),
-                                   dropout_rate=FLAGS.dropout_rate)
+                                   dropout_rate=FLAGS.dropout_rate, compute_dtype=FLAGS.compute_dtype)
     except ValueError as err:
         raise app.UsageError(f"{err} (--model / --dropout_rate)") from None
 

@@ -338,3 +338,24 @@ def test_metric_shapes_and_names_are_checked(small_fed):
     clash = probe.replace(server_update=lambda server, m, w, mask, hp, key: (server, {"count": jnp.zeros(())}))
     with pytest.raises(ValueError, match="the server metric 'count' clashes"):
         bf.simulate(clash, small_fed, rounds=1, key=jax.random.PRNGKey(0), init_params={"w": jnp.zeros(2)})
+
+
+def test_simulate_updates_the_state_in_place_and_keeps_the_callers_arrays(small_fed, tiny_model, tiny_params):
+    # SCAFFOLD keeps per-client control variates: persistent state as well as the server's
+    algo = bf.algorithms.scaffold(tiny_model, num_clients=small_fed.num_clients, lr=0.1, batch_size=16)
+    config = RoundConfig(small_fed.num_clients, small_fed.num_clients)
+    state = init_state(algo, tiny_params, config)
+    args = (round_arrays(small_fed), jax.random.PRNGKey(0), traced_hparams(algo, 1))
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    kept = make_round_step(algo, config).lower(state, *args).compile().memory_analysis()
+    donated = make_round_step(algo, config, donate_state=True).lower(state, *args).compile().memory_analysis()
+    assert kept.alias_size_in_bytes == 0
+    assert donated.alias_size_in_bytes == state_bytes  # every state buffer is reused by the new state
+    copy = jax.tree.map(jnp.copy, state)
+    new_state, _ = make_round_step(algo, config, donate_state=True)(copy, *args)
+    assert all(x.is_deleted() for x in jax.tree.leaves(copy))
+    chex.assert_trees_all_close(new_state, make_round_step(algo, config)(state, *args)[0])
+    # simulate donates its own copy: init_params (which the server state starts as) stays usable
+    result = bf.simulate(algo, small_fed, rounds=2, key=jax.random.PRNGKey(0), init_params=tiny_params)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(tiny_params))
+    assert not any(x.is_deleted() for x in jax.tree.leaves(result.state))

@@ -323,6 +323,8 @@ def test_binaries_print_one_line_and_exit_2(tmp_path):
          f"--data_dir {tmp_path}/nowhere does not exist; fix:"),
         (["experiments.hbfl_table", "--rounds=0"], "--rounds must be >= 1, e.g. --rounds=30"),
         (["experiments.fedref_table", "--seeds=x"], "--seeds must be integer seeds >= 0, e.g. --seeds=0,1"),
+        (["experiments.precision_table", "--seeds=x"], "--seeds must be non-negative integer seeds, e.g. --seeds=0"),
+        (["experiments.run", "--compute_dtype=int8"], "--compute_dtype=int8: value should be one of <float32|bfloat16"),
         (["experiments.bfl_rules", "--partitions=dirichlet"], "--partitions must be iid and/or shards"),
         (["experiments.bench", "--only=no such configuration"], "matches no configuration; fix: use part of"),
         (["experiments.compare", f"--flagfile={tmp_path}/none.flags", "--runs", "a:"],

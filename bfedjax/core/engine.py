@@ -640,23 +640,30 @@ def _streamed_round(algorithm, config, state, arrays, cohort, groups, trainer, h
     return EngineState(server, tuple(persistent)), metrics
 
 
-def make_round_step(algorithm: Algorithm, config: RoundConfig, backend: str = "vmap"):
+def make_round_step(algorithm: Algorithm, config: RoundConfig, backend: str = "vmap", donate_state: bool = False):
     """Builds ``round_step(state, arrays, key, hparams) -> (state, metrics)``.
 
     ``backend="vmap"`` compiles the whole round once; ``"sequential"`` is the
     reference (a Python loop over clients, one jitted call each); ``"stepwise"``
     loops over clients and batches in Python (one jitted step per batch);
     ``"debug"`` is the stepwise loop with jit off and errors tagged with client and stage.
+
+    ``donate_state=True`` (the vmap backend) donates the incoming ``state``'s buffers to the
+    new state (``jax.jit(..., donate_argnums=0)``): the server and per-client state are
+    updated in place instead of held twice, and the passed ``state`` is unusable afterwards
+    (chain ``state, metrics = round_step(state, ...)``). ``simulate`` does this.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; choose one of {BACKENDS}")
     if config.round_fractions is not None:
-        full = make_round_step(algorithm, dataclasses.replace(config, round_fractions=None), backend)
+        full = make_round_step(algorithm, dataclasses.replace(config, round_fractions=None), backend, donate_state)
         subsets = jax.jit(lambda arrays, key: with_round_subsets(config, arrays, key)) if backend != "debug" else (
             lambda arrays, key: with_round_subsets(config, arrays, key))
         return lambda state, arrays, key, hparams: full(state, subsets(arrays, key), key, hparams)
     if backend == "vmap":
-        return jax.jit(lambda state, arrays, key, hparams: _vmapped_round(algorithm, config, state, arrays, key, hparams))
+        def round_step(state, arrays, key, hparams):
+            return _vmapped_round(algorithm, config, state, arrays, key, hparams)
+        return jax.jit(round_step, donate_argnums=0 if donate_state else ())
     if backend == "sequential":
         return _sequential_round_fn(algorithm, config)
     if backend == "stepwise":

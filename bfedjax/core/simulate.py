@@ -201,7 +201,8 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
         state = sharding.shard_state(state, mesh)
     if auto and backend == "vmap" and mesh is None:
         config = dataclasses.replace(config, clients_per_chunk=auto_layout(algorithm, config, state))
-    round_step = make_round_step(algorithm, config, backend)
+    donate = backend == "vmap"
+    round_step = make_round_step(algorithm, config, backend, donate_state=donate)
 
     history: list[dict] = []
     checkpointer = None
@@ -215,6 +216,8 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
         restored = checkpointer.restore_latest(state, owner=algorithm.name)  # skips damaged ones, or raises
         if restored is not None:
             _, state, history = restored
+    if donate:  # the rounds update the state in place: never the caller's init_params / init_server buffers
+        state = _own_copy(state)
     for r in range(len(history) + 1, rounds + 1):
         start = time.perf_counter()
         hparams = traced_hparams(algorithm, r, hparams_fn(r) if hparams_fn else None)
@@ -241,6 +244,11 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
         checkpointer.close()
     metrics = {k: [h[k] for h in history] for k in history[0]}
     return SimulationResult(algorithm.name, metrics, state, config.clients_per_chunk)
+
+
+def _own_copy(tree):
+    """A copy of every ``jax.Array`` leaf (same sharding), so donating ``tree`` leaves the caller's arrays intact."""
+    return jax.tree.map(lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x, tree)
 
 
 def auto_layout(algorithm: Algorithm, config: RoundConfig, state: EngineState) -> int | None:

@@ -6,6 +6,7 @@ from bfedjax.models.groups import client_architectures, parse_architectures
 from bfedjax.models.resnet import ResNet20
 from bfedjax.models.unet import UNet
 from bfedjax.models.zoo import (
+    COMPUTE_DTYPES,
     DROPOUT_MODELS,
     CNN1,
     CNN2,
@@ -16,6 +17,7 @@ from bfedjax.models.zoo import (
     FolaCNN,
     LeNet,
     Logistic,
+    compute_dtype_of,
     get_model,
     init_params,
     num_params,
@@ -23,6 +25,6 @@ from bfedjax.models.zoo import (
 
 __all__ = [
     "Logistic", "MLP", "FolaCNN", "LeNet", "CNN1", "CNN2", "CNN2Trunk", "FedRegCNN", "ResNet20", "UNet",
-    "MODELS", "DROPOUT_MODELS", "get_model", "init_params", "num_params",
+    "MODELS", "DROPOUT_MODELS", "COMPUTE_DTYPES", "compute_dtype_of", "get_model", "init_params", "num_params",
     "client_architectures", "parse_architectures", "apply", "apply_fn_of", "train_apply_fn_of", "mc_predict_proba",
 ]

@@ -33,7 +33,7 @@ def parse_architectures(spec: str) -> list[tuple[str, int]]:
 
 
 def client_architectures(spec: str, num_clients: int, *, num_classes: int, hidden: Sequence[int] | None = None,
-                         shuffle_seed: int | None = None):
+                         shuffle_seed: int | None = None, compute_dtype="float32"):
     """``(models, client_groups)`` for the mapping ``spec``.
 
     Args:
@@ -42,6 +42,7 @@ def client_architectures(spec: str, num_clients: int, *, num_classes: int, hidde
       num_classes: the models' outputs.
       hidden: MLP widths (default (200, 200)).
       shuffle_seed: ``None`` assigns the clients in order; a seed permutes the assignment.
+      compute_dtype: every model's compute dtype (``zoo.get_model``; parameters stay float32).
     Returns:
       ``(tuple of Flax modules, [N] int32 group of each client)``.
     """
@@ -56,7 +57,7 @@ def client_architectures(spec: str, num_clients: int, *, num_classes: int, hidde
     groups = np.concatenate([np.full(count, g, np.int32) for g, (_, count) in enumerate(parsed)])
     if shuffle_seed is not None:
         groups = np.random.default_rng(shuffle_seed).permutation(groups)
-    models = tuple(get_model(name, num_classes, hidden=hidden) for name in names)
+    models = tuple(get_model(name, num_classes, hidden=hidden, compute_dtype=compute_dtype) for name in names)
     return models, groups
 
 

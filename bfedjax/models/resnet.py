@@ -22,6 +22,8 @@ from the batch statistics. See ``bfedjax.models.apply``.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax.numpy as jnp
 
@@ -39,14 +41,18 @@ class _Unit(nn.Module):
     strides: int
     dropout_rate: float
     bn_momentum: float
+    dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, x, train: bool, dropout: bool, mask):
         x = nn.Conv(self.features, (self.kernel, self.kernel), strides=(self.strides, self.strides),
-                    padding="SAME", use_bias=False, kernel_init=_CONV_INIT, conv_general_dilated=zoo_conv)(x)
+                    padding="SAME", use_bias=False, kernel_init=_CONV_INIT, dtype=self.dtype,
+                    conv_general_dilated=zoo_conv)(x)
         if self.dropout_rate > 0:
             x = nn.Dropout(self.dropout_rate, deterministic=not (train or dropout))(x)
-        return nn.BatchNorm(use_running_average=not train, momentum=self.bn_momentum, epsilon=1e-5)(x, mask=mask)
+        # statistics are computed in float32 whatever the dtype (flax); running averages stay float32
+        return nn.BatchNorm(use_running_average=not train, momentum=self.bn_momentum, epsilon=1e-5,
+                            dtype=self.dtype)(x, mask=mask)
 
 
 class _BasicBlock(nn.Module):
@@ -56,16 +62,17 @@ class _BasicBlock(nn.Module):
     dropout_rate: float
     projection_dropout: float
     bn_momentum: float
+    dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, x, train: bool, dropout: bool, mask):
-        unit = dict(dropout_rate=self.dropout_rate, bn_momentum=self.bn_momentum)
+        unit = dict(dropout_rate=self.dropout_rate, bn_momentum=self.bn_momentum, dtype=self.dtype)
         y = nn.relu(_Unit(self.features, 3, self.strides, **unit)(x, train, dropout, mask))
         y = _Unit(self.features, 3, 1, **unit)(y, train, dropout, mask)
         if x.shape[-1] != self.features or self.strides != 1:
             if self.shortcut == "projection":
                 x = _Unit(self.features, 1, self.strides, dropout_rate=self.projection_dropout,
-                          bn_momentum=self.bn_momentum)(x, train, dropout, mask)
+                          bn_momentum=self.bn_momentum, dtype=self.dtype)(x, train, dropout, mask)
             else:  # option A: subsample, zero-pad the new channels
                 x = x[:, ::self.strides, ::self.strides, :]
                 extra = self.features - x.shape[-1]
@@ -83,6 +90,7 @@ class ResNet20(nn.Module):
     dropout_on_logits: bool = False
     bn_momentum: float = 0.9
     blocks_per_stage: int = 3
+    dtype: Any = jnp.float32  # compute dtype (e.g. jnp.bfloat16); parameters and logits stay float32
 
     uses_batch_stats = True  # see bfedjax.models.apply
 
@@ -91,19 +99,19 @@ class ResNet20(nn.Module):
         if self.shortcut not in SHORTCUTS:
             raise ValueError(f"shortcut={self.shortcut!r}; choose one of {SHORTCUTS}")
         bn_mask = None if mask is None else (jnp.asarray(mask) > 0)[:, None, None, None]
-        x = jnp.asarray(x, jnp.float32)
-        x = nn.relu(_Unit(16, 3, 1, self.dropout_rate, self.bn_momentum)(x, train, dropout, bn_mask))
+        x = jnp.asarray(x, self.dtype)
+        x = nn.relu(_Unit(16, 3, 1, self.dropout_rate, self.bn_momentum, self.dtype)(x, train, dropout, bn_mask))
         for stage, features in enumerate((16, 32, 64)):
             for block in range(self.blocks_per_stage):
                 strides = 2 if stage > 0 and block == 0 else 1
                 x = _BasicBlock(features, strides, self.shortcut, self.dropout_rate,
                                 self.dropout_rate if self.dropout_on_projections else 0.0,
-                                self.bn_momentum)(x, train, dropout, bn_mask)
+                                self.bn_momentum, self.dtype)(x, train, dropout, bn_mask)
         x = jnp.mean(x, axis=(1, 2))
-        x = nn.Dense(self.num_classes)(x)
+        x = nn.Dense(self.num_classes, dtype=self.dtype)(x)
         if self.dropout_rate > 0 and self.dropout_on_logits:
             x = nn.Dropout(self.dropout_rate, deterministic=not (train or dropout))(x)
-        return x
+        return x.astype(jnp.float32)
 
 
 def resnet20_param_count(num_classes: int = 10, in_channels: int = 3, shortcut: str = "projection") -> int:

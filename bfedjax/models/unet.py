@@ -28,6 +28,8 @@ decoder 9,248 + 2,320, head 9; in all 29,617 (checked in
 """
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -35,16 +37,16 @@ import jax.numpy as jnp
 from bfedjax.models.conv import conv_general_dilated as zoo_conv
 
 
-def _conv_relu(x: jax.Array, features: int, kernel: int = 3) -> jax.Array:
-    """``[B, H, W, cin] -> [B, H, W, features]``: SAME conv, Glorot kernel, zero bias, ReLU."""
-    conv = nn.Conv(features, (kernel, kernel), padding="SAME", kernel_init=nn.initializers.xavier_uniform(),
-                   bias_init=nn.initializers.zeros, conv_general_dilated=zoo_conv)
+def _conv_relu(x: jax.Array, features: int, dtype) -> jax.Array:
+    """``[B, H, W, cin] -> [B, H, W, features]``: SAME 3x3 conv, Glorot kernel, zero bias, ReLU."""
+    conv = nn.Conv(features, (3, 3), padding="SAME", kernel_init=nn.initializers.xavier_uniform(),
+                   bias_init=nn.initializers.zeros, dtype=dtype, conv_general_dilated=zoo_conv)
     return nn.relu(conv(x))
 
 
-def _double_conv(x: jax.Array, features: int) -> jax.Array:
+def _double_conv(x: jax.Array, features: int, dtype) -> jax.Array:
     """Two 3x3 conv-ReLU layers, both with ``features`` outputs."""
-    return _conv_relu(_conv_relu(x, features), features)
+    return _conv_relu(_conv_relu(x, features, dtype), features, dtype)
 
 
 def _up2(x: jax.Array) -> jax.Array:
@@ -64,10 +66,11 @@ class UNet(nn.Module):
     features: int = 8
     levels: int = 3
     out_channels: int = 1
+    dtype: Any = jnp.float32  # compute dtype (e.g. jnp.bfloat16); parameters and logits stay float32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = jnp.asarray(x, jnp.float32)
+        x = jnp.asarray(x, self.dtype)
         factor = 2 ** (self.levels - 1)
         if self.levels < 1 or x.shape[1] % factor or x.shape[2] % factor:
             raise ValueError(f"UNet(levels={self.levels}) needs levels >= 1 and H, W divisible by {factor}; "
@@ -77,11 +80,11 @@ class UNet(nn.Module):
         for i, f in enumerate(widths):
             if i:
                 x = nn.max_pool(x, (2, 2), strides=(2, 2), padding="VALID")
-            x = _double_conv(x, f)
+            x = _double_conv(x, f, self.dtype)
             skips.append(x)
         for f, skip in zip(widths[-2::-1], skips[-2::-1]):
-            x = _double_conv(jnp.concatenate([skip, _up2(x)], axis=-1), f)
+            x = _double_conv(jnp.concatenate([skip, _up2(x)], axis=-1), f, self.dtype)
         head = nn.Conv(self.out_channels, (1, 1), kernel_init=nn.initializers.xavier_uniform(),
-                       bias_init=nn.initializers.zeros, conv_general_dilated=zoo_conv)
-        logits = head(x)
+                       bias_init=nn.initializers.zeros, dtype=self.dtype, conv_general_dilated=zoo_conv)
+        logits = head(x).astype(jnp.float32)
         return logits[..., 0] if self.out_channels == 1 else logits

@@ -51,14 +51,22 @@ KERNEL_INIT = nn.initializers.xavier_uniform()
 BIAS_INIT = nn.initializers.zeros
 
 
-def _dense(features: int, name: str | None = None) -> nn.Dense:
-    return nn.Dense(features, kernel_init=KERNEL_INIT, bias_init=BIAS_INIT, name=name)
+Dtype = Any  # a floating dtype: jnp.float32 (default), jnp.bfloat16, jnp.float16
 
 
-def _conv(features: int, kernel: tuple[int, int], padding: str,
+def _dense(features: int, dtype: Dtype = jnp.float32, name: str | None = None) -> nn.Dense:
+    return nn.Dense(features, kernel_init=KERNEL_INIT, bias_init=BIAS_INIT, dtype=dtype, name=name)
+
+
+def _conv(features: int, kernel: tuple[int, int], padding: str, dtype: Dtype = jnp.float32,
           name: str | None = None) -> nn.Conv:
-    return nn.Conv(features, kernel_size=kernel, padding=padding,
-                   kernel_init=KERNEL_INIT, bias_init=BIAS_INIT, name=name, conv_general_dilated=zoo_conv)
+    return nn.Conv(features, kernel_size=kernel, padding=padding, kernel_init=KERNEL_INIT, bias_init=BIAS_INIT,
+                   dtype=dtype, name=name, conv_general_dilated=zoo_conv)
+
+
+def _logits(x: jax.Array) -> jax.Array:
+    """Logits leave every model in float32, whatever the compute dtype (losses and softmax stay exact)."""
+    return x.astype(jnp.float32)
 
 
 def _flatten(x: jax.Array) -> jax.Array:
@@ -81,11 +89,12 @@ class Logistic(nn.Module):
     """
 
     num_classes: int = 10
+    dtype: Dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = _flatten(jnp.asarray(x, jnp.float32))
-        return _dense(self.num_classes)(x)
+        x = _flatten(jnp.asarray(x, self.dtype))
+        return _logits(_dense(self.num_classes, self.dtype)(x))
 
 
 class MLP(nn.Module):
@@ -100,16 +109,17 @@ class MLP(nn.Module):
     hidden: Sequence[int] = (200, 200)
     num_classes: int = 10
     dropout_rate: float = 0.0
+    dtype: Dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array, *, train: bool = False, dropout: bool = False, mask=None) -> jax.Array:
         del mask  # no batch statistics
-        x = _flatten(jnp.asarray(x, jnp.float32))
+        x = _flatten(jnp.asarray(x, self.dtype))
         for h in self.hidden:
-            x = nn.relu(_dense(int(h))(x))
+            x = nn.relu(_dense(int(h), self.dtype)(x))
             if self.dropout_rate > 0:  # MC-dropout baseline: after every hidden layer, not on the logits
                 x = nn.Dropout(self.dropout_rate, deterministic=not (train or dropout))(x)
-        return _dense(self.num_classes)(x)
+        return _logits(_dense(self.num_classes, self.dtype)(x))
 
 
 class FolaCNN(nn.Module):
@@ -123,15 +133,16 @@ class FolaCNN(nn.Module):
     """
 
     num_classes: int = 10
+    dtype: Dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = jnp.asarray(x, jnp.float32)
-        x = _max_pool_2x2(nn.relu(_conv(32, (5, 5), "VALID")(x)))
-        x = _max_pool_2x2(nn.relu(_conv(64, (5, 5), "VALID")(x)))
+        x = jnp.asarray(x, self.dtype)
+        x = _max_pool_2x2(nn.relu(_conv(32, (5, 5), "VALID", self.dtype)(x)))
+        x = _max_pool_2x2(nn.relu(_conv(64, (5, 5), "VALID", self.dtype)(x)))
         x = _flatten(x)
-        x = nn.relu(_dense(512)(x))
-        return _dense(self.num_classes)(x)
+        x = nn.relu(_dense(512, self.dtype)(x))
+        return _logits(_dense(self.num_classes, self.dtype)(x))
 
 
 def _first_padding(x: jax.Array, first_padding: str) -> str:
@@ -141,19 +152,19 @@ def _first_padding(x: jax.Array, first_padding: str) -> str:
     return first_padding
 
 
-def _lenet_features(x: jax.Array, first_padding: str) -> jax.Array:
+def _lenet_features(x: jax.Array, first_padding: str, dtype: Dtype) -> jax.Array:
     """LeNet-5's convolutions inside a compact module: 5x5 convs (6, 16), ReLU and 2x2 max-pool each, flattened."""
-    x = jnp.asarray(x, jnp.float32)
-    x = _max_pool_2x2(nn.relu(_conv(6, (5, 5), _first_padding(x, first_padding))(x)))
-    return _flatten(_max_pool_2x2(nn.relu(_conv(16, (5, 5), "VALID")(x))))
+    x = jnp.asarray(x, dtype)
+    x = _max_pool_2x2(nn.relu(_conv(6, (5, 5), _first_padding(x, first_padding), dtype)(x)))
+    return _flatten(_max_pool_2x2(nn.relu(_conv(16, (5, 5), "VALID", dtype)(x))))
 
 
-def _cnn2_features(x: jax.Array) -> jax.Array:
+def _cnn2_features(x: jax.Array, dtype: Dtype) -> jax.Array:
     """CNN2's convolutions inside a compact module: 3x3 convs 32 (+pool), 64 (+pool), 64, ReLU, flattened."""
-    x = jnp.asarray(x, jnp.float32)
-    x = _max_pool_2x2(nn.relu(_conv(32, (3, 3), "VALID")(x)))
-    x = _max_pool_2x2(nn.relu(_conv(64, (3, 3), "VALID")(x)))
-    return _flatten(nn.relu(_conv(64, (3, 3), "VALID")(x)))
+    x = jnp.asarray(x, dtype)
+    x = _max_pool_2x2(nn.relu(_conv(32, (3, 3), "VALID", dtype)(x)))
+    x = _max_pool_2x2(nn.relu(_conv(64, (3, 3), "VALID", dtype)(x)))
+    return _flatten(nn.relu(_conv(64, (3, 3), "VALID", dtype)(x)))
 
 
 class LeNet(nn.Module):
@@ -168,12 +179,13 @@ class LeNet(nn.Module):
 
     num_classes: int = 10
     first_padding: str = "auto"
+    dtype: Dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = nn.relu(_dense(120)(_lenet_features(x, self.first_padding)))
-        x = nn.relu(_dense(84)(x))
-        return _dense(self.num_classes)(x)
+        x = nn.relu(_dense(120, self.dtype)(_lenet_features(x, self.first_padding, self.dtype)))
+        x = nn.relu(_dense(84, self.dtype)(x))
+        return _logits(_dense(self.num_classes, self.dtype)(x))
 
 
 class CNN1(nn.Module):
@@ -186,20 +198,23 @@ class CNN1(nn.Module):
     num_classes: int = 10
     hidden: int = 120
     first_padding: str = "auto"
+    dtype: Dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = nn.relu(_dense(self.hidden)(_lenet_features(x, self.first_padding)))
-        return _dense(self.num_classes)(x)
+        x = nn.relu(_dense(self.hidden, self.dtype)(_lenet_features(x, self.first_padding, self.dtype)))
+        return _logits(_dense(self.num_classes, self.dtype)(x))
 
 
 class CNN2Trunk(nn.Module):
     """CNN2's convolutional trunk (HBFL's objective heterogeneity, spec Decision 13): the three 3x3 convs,
     flattened; ``[B, 28, 28, C] -> [B, 576]`` (``[B, 1024]`` on 32x32). Clients put their own head on it."""
 
+    dtype: Dtype = jnp.float32
+
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        return _cnn2_features(x)
+        return _cnn2_features(x, self.dtype)
 
 
 class CNN2(nn.Module):
@@ -210,11 +225,12 @@ class CNN2(nn.Module):
     """
 
     num_classes: int = 10
+    dtype: Dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = nn.relu(_dense(64)(_cnn2_features(x)))
-        return _dense(self.num_classes)(x)
+        x = nn.relu(_dense(64, self.dtype)(_cnn2_features(x, self.dtype)))
+        return _logits(_dense(self.num_classes, self.dtype)(x))
 
 
 def _torch_uniform_init(fan_in: int):
@@ -238,24 +254,26 @@ class FedRegCNN(nn.Module):
     """
 
     num_classes: int = 10
+    dtype: Dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = jnp.asarray(x, jnp.float32)
+        x = jnp.asarray(x, self.dtype)
 
         def conv(x, features):
             fan_in = 25 * x.shape[-1]
             return nn.Conv(features, (5, 5), padding="VALID", kernel_init=TORCH_KERNEL_INIT,
-                           bias_init=_torch_uniform_init(fan_in), conv_general_dilated=zoo_conv)(x)
+                           bias_init=_torch_uniform_init(fan_in), dtype=self.dtype, conv_general_dilated=zoo_conv)(x)
 
         def dense(x, features):
-            return nn.Dense(features, kernel_init=TORCH_KERNEL_INIT, bias_init=_torch_uniform_init(x.shape[-1]))(x)
+            return nn.Dense(features, kernel_init=TORCH_KERNEL_INIT, bias_init=_torch_uniform_init(x.shape[-1]),
+                            dtype=self.dtype)(x)
 
         x = nn.relu(conv(x, 32))
         x = nn.relu(_max_pool_2x2(conv(x, 32)))
         x = nn.relu(_max_pool_2x2(conv(x, 64)))
         x = nn.relu(dense(_flatten(x), 256))
-        return dense(x, self.num_classes)
+        return _logits(dense(x, self.num_classes))
 
 
 # --------------------------------------------------------------------------- #
@@ -291,8 +309,8 @@ entries ignore it. Only the MLPs and ``"resnet20"`` take a ``dropout_rate``.
 """
 
 
-def get_model(name: str, num_classes: int,
-              hidden: Sequence[int] | None = None, dropout_rate: float = 0.0) -> nn.Module:
+def get_model(name: str, num_classes: int, hidden: Sequence[int] | None = None, dropout_rate: float = 0.0,
+              compute_dtype: Dtype = "float32") -> nn.Module:
     """Build a model by registry name.
 
     Args:
@@ -300,13 +318,16 @@ def get_model(name: str, num_classes: int,
       num_classes: number of output logits ``K``.
       hidden: hidden widths for ``"mlp"`` (default ``(200, 200)``); ignored otherwise.
       dropout_rate: MC-dropout rate (MLPs and ResNet-20 only; 0 = no dropout layers).
+      compute_dtype: one of ``COMPUTE_DTYPES``: the dtype of activations and matrix products
+        (Flax's ``dtype``). Parameters, and so the optimiser's master weights, stay float32
+        (``param_dtype``), and the logits are returned as float32: ``"bfloat16"`` is mixed precision.
 
     Returns:
       An (unbound) ``flax.linen`` module mapping ``[B, ...] -> [B, K]``.
 
     Raises:
-      ValueError: if ``name`` is unknown (the message lists valid names), or
-        ``dropout_rate`` is set for a model without dropout layers.
+      ValueError: if ``name`` is unknown (the message lists valid names), ``dropout_rate``
+        is set for a model without dropout layers, or ``compute_dtype`` is not a float dtype.
     """
     key = name.lower() if isinstance(name, str) else name
     if key not in MODELS:
@@ -314,11 +335,25 @@ def get_model(name: str, num_classes: int,
             f"Unknown model {name!r}; fix: use one of the available models {sorted(MODELS)}")
     if not 0.0 <= dropout_rate < 1.0:
         raise ValueError(f"dropout_rate={dropout_rate} must be in [0, 1); fix: pass e.g. dropout_rate=0.2")
-    if dropout_rate == 0.0:
-        return MODELS[key](num_classes, hidden)
-    if key not in DROPOUT_MODELS:
+    if dropout_rate and key not in DROPOUT_MODELS:
         raise ValueError(f"model {name!r} has no dropout layers; fix: use one of {DROPOUT_MODELS} for MC dropout")
-    return MODELS[key](num_classes, hidden, dropout_rate=dropout_rate)
+    model = MODELS[key](num_classes, hidden, **({"dropout_rate": dropout_rate} if dropout_rate else {}))
+    dtype = compute_dtype_of(compute_dtype)
+    return model if dtype == jnp.float32 else model.clone(dtype=dtype)
+
+
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def compute_dtype_of(name: Dtype) -> jnp.dtype:
+    """``"bfloat16"`` or ``jnp.bfloat16`` -> ``dtype('bfloat16')``; a one-line error outside ``COMPUTE_DTYPES``."""
+    try:
+        dtype = jnp.dtype(name)
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.name not in COMPUTE_DTYPES:
+        raise ValueError(f"compute dtype {name!r} is not supported; fix: use one of {COMPUTE_DTYPES}")
+    return dtype
 
 
 DROPOUT_MODELS = ("mlp", "mlp_500_300", "mlp_200_200", "resnet20")
@@ -373,5 +408,5 @@ def num_params(params: Params) -> int:
 
 __all__ = [
     "Logistic", "MLP", "FolaCNN", "LeNet", "FedRegCNN", "ResNet20",
-    "MODELS", "DROPOUT_MODELS", "get_model", "init_params", "num_params",
+    "MODELS", "DROPOUT_MODELS", "COMPUTE_DTYPES", "compute_dtype_of", "get_model", "init_params", "num_params",
 ]
