@@ -77,9 +77,9 @@ flags.DEFINE_integer("samples_per_client", 100, "Samples per client in the unifo
 flags.DEFINE_list("cpu_chunks", ["1", "2", "5"], "On a CPU, also time the round in chunks of these many clients on "
                   "uniform configurations (smaller working set: faster on CPU caches); empty skips them.")
 flags.DEFINE_string("output_dir", "results/bench", "Where bench.json and bench.md go (rewritten after every row).")
-flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16", "float16"], "The library's and the "
-                  "centralised ceiling's compute dtype (models.get_model; parameters stay float32); the PyTorch "
-                  "rows stay float32. Give bfloat16 runs their own --output_dir.")
+flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16"], "The library's and the centralised "
+                  "ceiling's compute dtype (models.COMPUTE_DTYPES; parameters stay float32), and the dtype of the "
+                  "matmul peak; the PyTorch rows stay float32. Give bfloat16 runs their own --output_dir.")
 flags.DEFINE_bool("resume", False, "Keep the rows of --output_dir/bench.json (a run cut off on the same machine) "
                   "and time only the missing ones.")
 errors.check_list("backends", lambda b: b in BACKENDS, f"among {', '.join(BACKENDS)}", "vmap,stepwise")
@@ -208,13 +208,13 @@ def training_flops_per_sample(model, input_shape) -> float:
 
 def time_library(algorithm, fed, config: Config, backend: str, rounds: int) -> dict:
     import jax
-    from bfedjax.core import RoundConfig, init_state, make_round_step
+    from bfedjax.core import RoundConfig, init_state, make_round_step, with_own_buffers
     from bfedjax.core.simulate import round_arrays, traced_hparams
     round_config = RoundConfig(fed.num_clients, fed.num_clients, clients_per_chunk=config.clients_per_chunk,
                                evaluate_local=False)
     params = algorithm.init_params(jax.random.PRNGKey(0), fed.input_shape)
     state, arrays = init_state(algorithm, params, round_config), round_arrays(fed)
-    state = jax.tree.map(jax.numpy.copy, state)  # donated below: not init_params' own buffers
+    state = with_own_buffers(state, params)  # donated below
     step = make_round_step(algorithm, round_config, backend, donate_state=backend == "vmap")  # as simulate runs it
     out = {}
     if backend == "vmap":  # compile once, ahead of time: the executable gives the memory analysis and runs
@@ -274,7 +274,7 @@ def main(argv):
     rounds = FLAGS.rounds or 3
     rows, peak, bandwidth = (previous_rows(os.path.join(FLAGS.output_dir, "bench.json")) if FLAGS.resume
                              else ([], None, None))
-    peak = peak or bench_anchors.matmul_peak_flops()
+    peak = peak or bench_anchors.matmul_peak_flops(dtype=FLAGS.compute_dtype)
     bandwidth = bandwidth or bench_anchors.memory_bandwidth_bytes_per_s()
     device = jax.devices()[0]
     on_cpu = device.platform == "cpu"
@@ -383,6 +383,10 @@ def previous_rows(path: str) -> tuple[list[dict], float | None, float | None]:
     if report["machine"]["device"] != kind:
         raise app.UsageError(f"--resume: {path} was measured on {report['machine']['device']!r}, this is {kind!r}; "
                              "fix: pass another --output_dir or drop --resume")
+    measured_dtype = report["machine"].get("compute_dtype", "float32")
+    if measured_dtype != FLAGS.compute_dtype:
+        raise app.UsageError(f"--resume: {path} was measured with --compute_dtype={measured_dtype}; fix: pass "
+                             f"--compute_dtype={measured_dtype}, another --output_dir, or drop --resume")
     print(f"resuming: {len(report['rows'])} rows kept from {path}", flush=True)
     bandwidth = report.get("memory_gb_per_s")  # absent in reports from before the roofline column
     return report["rows"], report["matmul_peak_gflops"] * 1e9, bandwidth * 1e9 if bandwidth else None

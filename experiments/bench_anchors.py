@@ -105,12 +105,12 @@ def centralised_round_seconds(model, fed, batch_size: int, rounds: int = 3, lr: 
     return first, _best_seconds(lambda: jax.block_until_ready(epoch(params, x, y)), rounds)
 
 
-def matmul_peak_flops(n: int | None = None, repeats: int = 10) -> float:
-    """FLOP/s of an n x n float32 matrix product (n = 1024 on a CPU, 8192 on an accelerator)."""
+def matmul_peak_flops(n: int | None = None, repeats: int = 10, dtype: str = "float32") -> float:
+    """FLOP/s of an n x n matrix product in ``dtype`` (n = 1024 on a CPU, 8192 on an accelerator)."""
     import jax
     n = n or (1024 if jax.default_backend() == "cpu" else 8192)
-    a = jax.random.normal(jax.random.PRNGKey(0), (n, n))
-    b = jax.random.normal(jax.random.PRNGKey(1), (n, n))
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), dtype)
     f = jax.jit(lambda a, b: a @ b)
     f(a, b).block_until_ready()
     return 2 * n ** 3 / _best_seconds(lambda: f(a, b).block_until_ready(), repeats)

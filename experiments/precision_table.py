@@ -9,8 +9,8 @@ float32. This script trains the same federations both ways and reports the
 global accuracy of each: 10 clients on a per-class Dirichlet(0.5) split of a
 stratified Fashion-MNIST training subset, E = 1, B = 32, every client every
 round, seeds 0-2; FedAvg with the MLP 784-200-200-10 and with the FedReg CNN,
-FOLA with the MLP (its Laplace precision comes from squared gradients computed
-in bfloat16) and mean-field VI (``bfl``, Fischer et al.) with the MLP.
+FOLA with the MLP (its Laplace precision comes from squared gradients that
+flow through bfloat16 activations) and mean-field VI (``bfl``, Fischer et al.) with the MLP.
 
 The CPU has no bfloat16 matrix units: XLA converts to float32 around each
 product, so the seconds here measure accuracy runs, not the speed of mixed
@@ -52,7 +52,8 @@ METHODS = {
 
 def run_one(fed, name: str, dtype: str, seed: int) -> dict:
     algorithm, model_name, options = METHODS[name]
-    path = os.path.join(FLAGS.output_dir, f"{algorithm}_{model_name}_{dtype}_s{seed}_r{FLAGS.rounds}.json")
+    path = os.path.join(FLAGS.output_dir, f"{algorithm}_{model_name}_{dtype}_s{seed}_r{FLAGS.rounds}"
+                                          f"_n{FLAGS.max_train}_t{FLAGS.max_test}.json")
     if os.path.exists(path):
         with open(path) as f:
             return json.load(f)
@@ -79,10 +80,11 @@ def mean_sd(values) -> str:
 def paired_verdict(gaps: list[float]) -> str:
     """Whether bfloat16 - float32 (one gap per seed) has one sign in every seed."""
     listed = ", ".join(f"{g:+.4f}" for g in gaps)
+    chance = f"{0.5 ** len(gaps):.2g}"  # of one sign in every seed, were there no effect
     if len(gaps) > 1 and all(g < 0 for g in gaps):
-        return f"lower in every seed ({listed}): a small systematic cost"
+        return f"lower in every seed ({listed}; chance {chance} without an effect): a possible small cost"
     if len(gaps) > 1 and all(g > 0 for g in gaps):
-        return f"higher in every seed ({listed}): no cost"
+        return f"higher in every seed ({listed}; chance {chance} without an effect): no cost"
     return f"per seed {listed}: no consistent direction"
 
 

@@ -347,15 +347,27 @@ def test_simulate_updates_the_state_in_place_and_keeps_the_callers_arrays(small_
     state = init_state(algo, tiny_params, config)
     args = (round_arrays(small_fed), jax.random.PRNGKey(0), traced_hparams(algo, 1))
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
-    kept = make_round_step(algo, config).lower(state, *args).compile().memory_analysis()
-    donated = make_round_step(algo, config, donate_state=True).lower(state, *args).compile().memory_analysis()
-    assert kept.alias_size_in_bytes == 0
-    assert donated.alias_size_in_bytes == state_bytes  # every state buffer is reused by the new state
+    kept = make_round_step(algo, config).lower(state, *args).compile()
+    donated = make_round_step(algo, config, donate_state=True).lower(state, *args).compile()
+    assert kept.memory_analysis().alias_size_in_bytes == 0
+    assert donated.memory_analysis().alias_size_in_bytes == state_bytes  # every state buffer is reused
     copy = jax.tree.map(jnp.copy, state)
-    new_state, _ = make_round_step(algo, config, donate_state=True)(copy, *args)
+    new_state, _ = donated(copy, *args)
     assert all(x.is_deleted() for x in jax.tree.leaves(copy))
-    chex.assert_trees_all_close(new_state, make_round_step(algo, config)(state, *args)[0])
-    # simulate donates its own copy: init_params (which the server state starts as) stays usable
+    chex.assert_trees_all_close(new_state, kept(state, *args)[0])
+    # simulate donates only buffers of its own: init_params (which the server state starts as) stays usable
     result = bf.simulate(algo, small_fed, rounds=2, key=jax.random.PRNGKey(0), init_params=tiny_params)
     assert not any(x.is_deleted() for x in jax.tree.leaves(tiny_params))
     assert not any(x.is_deleted() for x in jax.tree.leaves(result.state))
+
+
+def test_with_own_buffers_copies_only_shared_and_repeated_buffers():
+    from bfedjax.core import with_own_buffers
+    shared, repeated, fresh = jnp.arange(3.0), jnp.ones(2), jnp.zeros(4)
+    state = {"a": shared, "b": repeated, "c": repeated, "d": fresh}  # FedRef's server: one model three times
+    own = with_own_buffers(state, {"params": shared})
+    assert own["b"] is repeated and own["d"] is fresh  # the first holder of a buffer keeps it, uncopied
+    assert own["a"] is not shared and own["c"] is not repeated
+    chex.assert_trees_all_equal(own, state)
+    jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), donate_argnums=0)(own)  # no buffer donated twice
+    assert not shared.is_deleted() and repeated.is_deleted() and fresh.is_deleted()

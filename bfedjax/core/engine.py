@@ -651,7 +651,10 @@ def make_round_step(algorithm: Algorithm, config: RoundConfig, backend: str = "v
     ``donate_state=True`` (the vmap backend) donates the incoming ``state``'s buffers to the
     new state (``jax.jit(..., donate_argnums=0)``): the server and per-client state are
     updated in place instead of held twice, and the passed ``state`` is unusable afterwards
-    (chain ``state, metrics = round_step(state, ...)``). ``simulate`` does this.
+    (chain ``state, metrics = round_step(state, ...)``). ``simulate`` does this. The state must
+    not share a buffer with arrays still needed (``init_state`` can keep ``params``' own
+    arrays) nor hold one buffer twice (FedRef's server starts with three views of one model):
+    pass ``with_own_buffers(state, params)`` to the first round.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; choose one of {BACKENDS}")
@@ -669,6 +672,31 @@ def make_round_step(algorithm: Algorithm, config: RoundConfig, backend: str = "v
     if backend == "stepwise":
         return _looped_round(algorithm, config, _looped_client(algorithm, config, jax.jit, _call), jax.jit)
     return _debug_round_fn(algorithm, config)
+
+
+def with_own_buffers(state, *keep):
+    """``state`` with a copy of each array leaf whose device buffer also backs a leaf of ``keep``
+    (e.g. the caller's ``init_params``) or an earlier leaf of ``state``; the other leaves are
+    returned as they are. Donating the result (``make_round_step(..., donate_state=True)``)
+    then invalidates no array of ``keep`` and donates no buffer twice."""
+    def buffers(x) -> set[tuple[str, int]]:
+        if not x.is_fully_addressable:  # spans processes (its local shards cannot be listed here): the array itself
+            return {("array", id(x))}
+        return {("buffer", shard.data.unsafe_buffer_pointer()) for shard in x.addressable_shards}
+
+    seen = set().union(*(buffers(x) for x in jax.tree.leaves(keep) if isinstance(x, jax.Array)))
+
+    def own(x):
+        if not isinstance(x, jax.Array):
+            return x
+        mine = buffers(x)
+        if mine & seen:
+            x = jnp.array(x, copy=True)
+            mine = buffers(x)
+        seen.update(mine)
+        return x
+
+    return jax.tree.map(own, state)
 
 
 def _vmapped_round(algorithm, config, state, arrays, key, hparams):
@@ -848,4 +876,5 @@ def _debug_round_fn(algorithm, config):
 
 __all__ = ["BACKENDS", "NONFINITE_POLICIES", "NO_BUDGET", "STRAGGLER_WEIGHTINGS", "Cohort", "EngineState",
            "RoundArrays", "RoundConfig", "StageError", "finish_round", "finite_rows", "init_state", "local_training",
-           "make_round_step", "persistent_init_key", "sample_cohort", "server_key_of", "straggler_epochs", "with_round_subsets"]
+           "make_round_step", "persistent_init_key", "sample_cohort", "server_key_of", "straggler_epochs",
+           "with_own_buffers", "with_round_subsets"]

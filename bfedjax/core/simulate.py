@@ -15,7 +15,7 @@ import numpy as np
 
 from bfedjax.core.attacks import Attack, flip_labels
 from bfedjax.core import layout
-from bfedjax.core.engine import EngineState, RoundArrays, RoundConfig, init_state, make_round_step
+from bfedjax.core.engine import EngineState, RoundArrays, RoundConfig, init_state, make_round_step, with_own_buffers
 from bfedjax.core.types import Algorithm
 
 
@@ -188,6 +188,7 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
                          client_groups=groups, straggler_fraction=straggler_fraction,
                          straggler_weighting=straggler_weighting, attack=attack, on_nonfinite=on_nonfinite,
                          round_fractions=None if round_fractions is None else tuple(round_fractions))
+    callers_arrays = (init_params, init_server)  # the rounds must not donate these
     if init_params is None and init_server is None:
         if algorithm.init_params is None:
             raise ValueError(f"{algorithm.name} has no init_params hook; fix: pass simulate(..., init_params=...)")
@@ -216,8 +217,9 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
         restored = checkpointer.restore_latest(state, owner=algorithm.name)  # skips damaged ones, or raises
         if restored is not None:
             _, state, history = restored
-    if donate:  # the rounds update the state in place: never the caller's init_params / init_server buffers
-        state = _own_copy(state)
+            del restored  # the initial state is garbage now: no second copy for the whole run
+    if donate:  # the rounds update the state in place: copy only what the caller holds or what is held twice
+        state = with_own_buffers(state, *callers_arrays)
     for r in range(len(history) + 1, rounds + 1):
         start = time.perf_counter()
         hparams = traced_hparams(algorithm, r, hparams_fn(r) if hparams_fn else None)
@@ -244,11 +246,6 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
         checkpointer.close()
     metrics = {k: [h[k] for h in history] for k in history[0]}
     return SimulationResult(algorithm.name, metrics, state, config.clients_per_chunk)
-
-
-def _own_copy(tree):
-    """A copy of every ``jax.Array`` leaf (same sharding), so donating ``tree`` leaves the caller's arrays intact."""
-    return jax.tree.map(lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x, tree)
 
 
 def auto_layout(algorithm: Algorithm, config: RoundConfig, state: EngineState) -> int | None:

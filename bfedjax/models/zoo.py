@@ -11,6 +11,12 @@ every model the same way.
 Initialisation follows the FOLA authors: Glorot (Xavier) uniform kernels and
 zero biases.
 
+Every model has Flax's ``dtype`` field, the compute dtype (``get_model(...,
+compute_dtype="bfloat16")``): inputs, activations, matrix products and
+convolutions run in it, while parameters stay float32 (the master weights the
+optimiser updates) and the logits are returned as float32. ``CNN2Trunk``
+returns its features in the compute dtype.
+
 Parameter counts (for reference, checked in ``tests/test_models.py``):
 
 ==============  ===========  =========
@@ -51,7 +57,7 @@ KERNEL_INIT = nn.initializers.xavier_uniform()
 BIAS_INIT = nn.initializers.zeros
 
 
-Dtype = Any  # a floating dtype: jnp.float32 (default), jnp.bfloat16, jnp.float16
+Dtype = Any  # a compute dtype: jnp.float32 (default) or jnp.bfloat16
 
 
 def _dense(features: int, dtype: Dtype = jnp.float32, name: str | None = None) -> nn.Dense:
@@ -327,7 +333,7 @@ def get_model(name: str, num_classes: int, hidden: Sequence[int] | None = None, 
 
     Raises:
       ValueError: if ``name`` is unknown (the message lists valid names), ``dropout_rate``
-        is set for a model without dropout layers, or ``compute_dtype`` is not a float dtype.
+        is set for a model without dropout layers, or ``compute_dtype`` is not one of ``COMPUTE_DTYPES``.
     """
     key = name.lower() if isinstance(name, str) else name
     if key not in MODELS:
@@ -342,7 +348,7 @@ def get_model(name: str, num_classes: int, hidden: Sequence[int] | None = None, 
     return model if dtype == jnp.float32 else model.clone(dtype=dtype)
 
 
-COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+COMPUTE_DTYPES = ("float32", "bfloat16")  # no float16: it would need loss scaling
 
 
 def compute_dtype_of(name: Dtype) -> jnp.dtype:
