@@ -110,6 +110,21 @@ def test_flagfiles_parse():
             FLAGS.unparse_flags()
 
 
+def test_compute_dtype_flag_reaches_the_models():
+    import types
+    import jax.numpy as jnp
+    from experiments import run
+    try:
+        run.FLAGS(["run", "--compute_dtype=bfloat16", "--model=cnn2"])
+        assert run.make_model(10).dtype == jnp.bfloat16
+        run.FLAGS(["run", "--compute_dtype=bfloat16", "--algorithm=hbfl", "--num_clients=3",
+                   "--client_architectures=mlp:1,lenet:2"])
+        setting, groups = run.architecture_setting(types.SimpleNamespace(num_classes=10), run.make_model(10))
+        assert [m.dtype for m in setting["local_models"]] == [jnp.bfloat16] * 2 and list(groups) == [0, 1, 1]
+    finally:
+        run.FLAGS.unparse_flags()
+
+
 def test_method_presets_build_their_algorithm_with_every_option_used(small_fed):
     """Each per-method flagfile names an algorithm and only options it takes; build() makes it."""
     import bfedjax as bf
