@@ -112,7 +112,8 @@ def check_targets(rows, platform: str = "cpu") -> list[dict]:
 def markdown(report) -> str:
     m = report["machine"]
     bandwidth = report.get("memory_gb_per_s")
-    lines = [f"Machine: {m['platform']} ({m['device']}), {m['cpu_count']} cores, jax {m['jax']}; "
+    cache = f", {m['last_level_cache_mib']:g} MiB last-level cache reported" if "last_level_cache_mib" in m else ""
+    lines = [f"Machine: {m['platform']} ({m['device']}), {m['cpu_count']} cores{cache}, jax {m['jax']}; "
              f"measured matmul peak {report['matmul_peak_gflops']:.1f} GFLOP/s"
              + (f", memory bandwidth {bandwidth:.1f} GB/s" if bandwidth else "") + f"; data {report['data']}"
              + f"; library compute dtype {m.get('compute_dtype', 'float32')}.", "",

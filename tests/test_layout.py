@@ -57,11 +57,11 @@ def test_convolutional_models_are_recognised_by_their_kernels(digits_fed, images
 def test_dense_chunks_fit_the_cache_and_accelerators_chunk_only_for_memory():
     server_bytes = 10_000
     client = layout.STATE_COPIES * server_bytes + 100
-    cache = int(client * 3.5 / layout.CACHE_SHARE)  # room for 3 clients' state
+    cache = int(client * 3.5)  # room for 3 clients' state
     pick = lambda convolutional=False, **kw: layout.auto_clients_per_chunk(
         convolutional=convolutional, server_bytes=server_bytes, persistent_bytes_per_client=100, **kw)
     assert pick(cohort=6, platform="cpu", cache_bytes=cache) == 3
-    assert pick(cohort=2, platform="cpu", cache_bytes=cache) == 2  # never more than the cohort
+    assert pick(cohort=2, platform="cpu", cache_bytes=cache) is None  # the whole cohort fits: one vmap
     assert pick(cohort=6, platform="cpu", cache_bytes=client) == 1  # never less than one client
     assert pick(convolutional=True, cohort=6, platform="cpu", cache_bytes=cache) == 1  # no grouped convolutions
     roomy = int(6 * client / layout.MEMORY_SHARE) + 1
@@ -69,6 +69,21 @@ def test_dense_chunks_fit_the_cache_and_accelerators_chunk_only_for_memory():
     assert pick(convolutional=True, cohort=6, platform="gpu", device_memory_bytes=roomy) is None
     assert pick(cohort=6, platform="gpu", device_memory_bytes=None) is None
     assert pick(cohort=60, platform="gpu", device_memory_bytes=roomy) == 6  # 60 clients' state would not fit
+
+
+def test_cpu_chunks_ignore_cache_beyond_the_cap_and_avoid_padded_chunks():
+    mlp_server = 199_210 * 4  # the 784-200-200-10 MLP's float32 weights
+    pick = lambda cohort, cache, server=mlp_server: layout.auto_clients_per_chunk(
+        convolutional=False, server_bytes=server, persistent_bytes_per_client=0, cohort=cohort, platform="cpu",
+        cache_bytes=cache)
+    # a VM reporting its host's 480 MiB L3 gets the same chunks as a 32 MiB one: 10 FedAvg clients, 5 FOLA
+    assert pick(100, 480 * 2**20) == pick(100, 32 * 2**20) == 10
+    assert pick(100, 480 * 2**20, server=2 * mlp_server) == 5
+    assert pick(100, 8 * 2**20) == 2  # a smaller cache bounds the chunk
+    # room for 7 clients: chunks of 5 fill 100 exactly, chunks of 7 would need 105 slots
+    assert layout.least_padding_chunk(100, 7) == 5
+    assert layout.least_padding_chunk(97, 7) == 7  # 98 slots; never below half the room
+    assert layout.least_padding_chunk(6, 3) == 3 and layout.least_padding_chunk(5, 1) == 1
 
 
 def test_simulate_reports_the_auto_layout_and_it_changes_only_rounding(digits_fed):
@@ -79,9 +94,10 @@ def test_simulate_reports_the_auto_layout_and_it_changes_only_rounding(digits_fe
     auto, one_vmap = run("auto"), run(None)
     assert auto.clients_per_chunk == expected and one_vmap.clients_per_chunk is None
     if jax.default_backend() == "cpu":  # a small dense model: several clients' state fits the cache
-        assert expected == min(digits_fed.num_clients, max(1, int(
-            layout.CACHE_SHARE * layout.last_level_cache_bytes()
-            // (layout.STATE_COPIES * layout.tree_bytes(state.server)))))
+        room = min(layout.CHUNK_STATE_BYTES, layout.last_level_cache_bytes()) // (
+            layout.STATE_COPIES * layout.tree_bytes(state.server))
+        chunk = layout.least_padding_chunk(digits_fed.num_clients, min(digits_fed.num_clients, max(1, int(room))))
+        assert expected == (None if chunk == digits_fed.num_clients else chunk)
     chex.assert_trees_all_close(auto.state.server, one_vmap.state.server, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(auto.metrics["global_accuracy"], one_vmap.metrics["global_accuracy"], atol=2e-3)
     with pytest.raises(ValueError, match="give a number of clients >= 1, None"):
