@@ -59,7 +59,8 @@ fedreg-privacy: install-dev
 	$(PYTHON) -m experiments.fedreg_privacy
 
 # HBFL vs FML vs FedAvg on Fashion-MNIST (10,000 images), heterogeneous and common models, 3 alphas x 3 seeds
-# -> results/hbfl_fashion_mnist.md (many hours on 2 cores; resumes from out/hbfl_table); the quick variant
+# -> results/hbfl_fashion_mnist.md (many hours on 2 cores; resumes from out/hbfl_table; the committed
+# runs are in results/hbfl_fashion_mnist_runs); the quick variant
 # (1 seed, alpha 0.1, 2,000 images, 5 rounds) -> results/hbfl_fashion_mnist_quick.md in under 10 minutes
 hbfl-table: install data
 	$(PYTHON) -m experiments.hbfl_table
