@@ -19,11 +19,11 @@ Settings per (alpha, seed):
   the clients drawing x ~ U{1, 2} epochs each round (the same draws for both).
 
 Each run's per-round metrics are saved as JSON under ``--output_dir`` and
-reused on a rerun, so an interrupted grid resumes where it stopped. The
-committed ``results/hbfl_fashion_mnist.md`` comes from the runs committed in
-``results/hbfl_fashion_mnist_runs/`` (``--output_dir=results/hbfl_fashion_mnist_runs``
-rebuilds it from them without training; the default ``out/hbfl_table`` trains
-every run anew). The
+reused on a rerun, so an interrupted grid resumes where it stopped. The grid's
+runs are committed, as they finish, in ``results/hbfl_fashion_mnist_runs/``:
+``--output_dir=results/hbfl_fashion_mnist_runs`` trains only the runs not there yet
+and writes the table from all of them (with all 69 there, without training); the
+default ``out/hbfl_table`` starts empty on a fresh clone. The
 report gives mean +- std over seeds of the best and final global accuracy
 and of the best mean per-client accuracy (each client on its own test split,
 the best of its meme and local model, as the paper reports).

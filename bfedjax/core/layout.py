@@ -11,13 +11,14 @@ is traced:
 * **CPU, dense models**: chunks whose training state (per client about
   ``STATE_COPIES`` copies of the server state: weights, gradient, optimiser or Fisher
   state and message, plus the client's persistent state) fits in ``CHUNK_STATE_BYTES``
-  or the last-level cache if smaller, with the chunk size that pads the cohort least.
-  One vmap over 100 MLP clients streams 80 MB of weights per step from memory. On a
-  2-core VM that reports its host's 480 MiB L3 (most of it other tenants'), chunks of
-  about 32 MiB of state (784-200-200-10 MLP: 10 FedAvg or 5 FOLA clients) were within
-  8% of the fastest chunk size at K = 100, B = 10 and 50, and 1.3-1.6x faster than one
-  vmap (``python -m experiments.bench --only="mlp K=100" --cpu_chunks=4,5,7,8,10``); a
-  quarter of the reported cache (chunks of 39 and 19) was 1.1-1.6x slower than the fastest.
+  or the last-level cache if smaller, of the size ``cheapest_chunk`` estimates cheapest
+  (padding against per-chunk overhead). One vmap over 100 MLP clients streams 80 MB of
+  weights per step from memory; chunks of about 32 MiB of state (784-200-200-10 MLP:
+  10 FedAvg or 5 FOLA clients) run such a round 1.5-1.8x faster than one vmap on a 2-core
+  VM (``results/bench/bench.md``). That VM reports its host's 480 MiB L3, most of it other
+  tenants', and the earlier rule, a quarter of the reported cache, gave chunks of 39 and
+  19 there, 1.3-1.4x slower than the fastest chunks (``python -m experiments.bench
+  --only="mlp K=100" --cpu_chunks=1,2,5`` at 73508be).
 * **GPU/TPU**: one vmap over the whole cohort (the padded work runs in
   parallel), or chunks when ``STATE_COPIES`` copies of every client's state would
   not fit in ``MEMORY_SHARE`` of the device's memory.
@@ -42,6 +43,10 @@ STATE_COPIES = 4
 # CPU: a chunk's working set within this many bytes, or the last-level cache if smaller. Not a share of
 # the cache alone: a VM reports its host socket's whole cache, which its few cores share with others.
 CHUNK_STATE_BYTES = 32 * 2**20
+# A chunk's fixed cost (loop step, gathers, smaller products) in clients' work: FedAvg, MLP, K = 100,
+# B = 10 (results/bench/bench.md) took 0.359 s in chunks of 1, 0.298 s of 5 and 0.256 s of 10, about
+# 2.4 ms per client slot and 1.2 ms per chunk.
+CHUNK_OVERHEAD_CLIENTS = 0.5
 MEMORY_SHARE = 0.25     # accelerators: chunk only when the cohort's state exceeds this share of memory
 DEFAULT_CACHE_BYTES = 8 * 2**20
 
@@ -66,19 +71,20 @@ def auto_clients_per_chunk(*, convolutional: bool, server_bytes: int, persistent
         if convolutional:
             return 1
         budget = min(CHUNK_STATE_BYTES, cache_bytes or last_level_cache_bytes())
-        chunk = least_padding_chunk(cohort, int(min(cohort, max(1, budget // client_bytes))))
+        chunk = cheapest_chunk(cohort, int(max(1, budget // client_bytes)))
         return None if chunk >= cohort else chunk  # the whole cohort fits: one vmap
     if device_memory_bytes is None or cohort * client_bytes <= MEMORY_SHARE * device_memory_bytes:
         return None
-    return least_padding_chunk(cohort, int(max(1, MEMORY_SHARE * device_memory_bytes // client_bytes)))
+    return cheapest_chunk(cohort, int(max(1, MEMORY_SHARE * device_memory_bytes // client_bytes)))
 
 
-def least_padding_chunk(cohort: int, largest: int) -> int:
-    """The chunk size in ``[ceil(largest / 2), largest]`` whose chunks pad the cohort least (the larger on
-    a tie): 100 clients and room for 7 give chunks of 5 (100 slots), not of 7 (105 slots, the last chunk
-    mostly padding that still computes)."""
-    candidates = range(max(1, -(-largest // 2)), largest + 1)
-    return min(candidates, key=lambda c: (-(-cohort // c) * c, -c))
+def cheapest_chunk(cohort: int, largest: int) -> int:
+    """The chunk size in ``[1, largest]`` (capped at the cohort) with the least estimated round work:
+    ``ceil(cohort / c)`` chunks, each costing its ``c`` client slots (padding included) plus
+    ``CHUNK_OVERHEAD_CLIENTS`` (the larger on a tie). 100 clients with room for 7 run in chunks of 5
+    (20 x 5.5) rather than 7 (15 x 7.5: the last chunk mostly padding that still computes)."""
+    largest = max(1, min(largest, cohort))
+    return min(range(1, largest + 1), key=lambda c: (-(-cohort // c) * (c + CHUNK_OVERHEAD_CLIENTS), -c))
 
 
 def has_conv_kernels(params, persistent=()) -> bool:
