@@ -62,7 +62,8 @@ def direction(by, alphas) -> list[str]:
 
 
 def ablations(by, alphas) -> list[str]:
-    """Lines comparing each ablation with hetero HBFL (paired by seed)."""
+    """One line per alpha, paired by seed: bayes_only, equal_q and common FedAvg against hetero HBFL, and
+    HBFL against FML with stragglers."""
     lines = []
     for alpha in alphas:
         parts = []
