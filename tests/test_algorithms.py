@@ -3,6 +3,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import bfedjax as bf
@@ -87,6 +88,25 @@ def test_the_local_step_adds_lambda_precision_times_offset(small_fed, tiny_model
     # the same pull is the gradient of lam * quadratic_penalty, the prior's loss (FOLA Eq. 15)
     chex.assert_trees_all_close(jax.grad(lambda t: 7.0 * quadratic_penalty(t, center, precision))(tiny_params), pull,
                                 rtol=1e-6)
+
+
+def test_clipping_scales_the_gradient_with_the_prior_pull_by_its_norm(small_fed, tiny_model, tiny_params):
+    """With a prior and clipping, theta moves by -lr * clip_by_global_norm(g + pull): the norm is the total's."""
+    from bfedjax.algorithms.local_sgd import make_sgd_client
+    center = jax.tree.map(lambda p: p + 0.3, tiny_params)
+    precision = jax.tree.map(lambda p: jnp.abs(p) + 0.5, tiny_params)
+    clipped_init, clipped_step = make_sgd_client(tiny_model, prior_fn=lambda ctx: (center, precision), clip_norm=0.5)
+    plain_init, plain_step = make_sgd_client(tiny_model, clip_norm=None)
+    data = _client(small_fed, 0)
+    batch = bf.core.Batch(data.x[:16], data.y[:16], jnp.ones(16))
+    ctx = ClientContext({"params": tiny_params}, (), data, {"lr": jnp.float32(0.1), "lam": jnp.float32(7.0)})
+    clipped = clipped_step(clipped_init(ctx, None), batch, ctx, jax.random.PRNGKey(0)).params
+    plain = plain_step(plain_init(ctx, None), batch, ctx, jax.random.PRNGKey(0)).params
+    total = jax.tree.map(lambda t, u, p, c: (t - u) / 0.1 + 7.0 * p * (t - c), tiny_params, plain, precision, center)
+    assert float(optax.tree.norm(total)) > 5.0  # clipping is active
+    expected_step, _ = optax.clip_by_global_norm(0.5).update(total, optax.EmptyState())
+    chex.assert_trees_all_close(jax.tree.map(lambda t, c: (t - c) / 0.1, tiny_params, clipped), expected_step,
+                                rtol=1e-3, atol=1e-6)
 
 
 @pytest.mark.parametrize("epochs", [1, 3])

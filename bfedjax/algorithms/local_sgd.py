@@ -142,26 +142,44 @@ def make_sgd_client(model, *, prior_fn: PriorFn | None = None, prior_weight: str
         acc = tree_zeros_like(params) if fisher is not None else ()
         return LocalState(params, tx.init(params), acc, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
 
-    def client_step(local: LocalState, batch: Batch, ctx: ClientContext, key) -> LocalState:
-        loss, grad, increment, current = gradient(local.params, batch, ctx.data.count, key)
+    def total_gradient(grad, params, ctx: ClientContext, expanded_prior: bool = False):
+        """The step's gradient: ``grad`` plus the prior's pull, the weight decay and the correction.
+
+        ``expanded_prior`` writes the pull ``lam * precision * (theta - center)`` as
+        ``w * theta - w * center`` with ``w = lam * precision``: the same value up to rounding, but
+        a separate expression. The clip norm reads that form, so XLA fuses it into the norm's
+        reduction instead of materialising the total gradient once for the reduction and again for
+        the update (FOLA's MLP round, 10 clients vmapped, B = 50: 8% faster on a CPU).
+        """
         if prior_fn is not None and prior_grad:
             center, precision = prior_fn(ctx)
             lam = ctx.hparams[prior_weight]
-            grad = jax.tree.map(lambda g, t, c, p: g + lam * p * (t - c), grad, local.params, center,
-                                broadcast_precision(precision, local.params))
+            precision = broadcast_precision(precision, params)
+            if expanded_prior:
+                weight = jax.tree.map(lambda p: lam * p, precision)
+                grad = jax.tree.map(lambda g, w, t, c: (g + w * t) - w * c, grad, weight, params, center)
+            else:
+                grad = jax.tree.map(lambda g, t, c, p: g + lam * p * (t - c), grad, params, center, precision)
             if has_batch_stats(model):  # running statistics follow the batches, never the prior
                 grad = {**grad, "batch_stats": tree_zeros_like(grad["batch_stats"])}
         if weight_decay:
-            grad = add_kernel_decay(grad, local.params, weight_decay)
+            grad = add_kernel_decay(grad, params, weight_decay)
         if correction_fn is not None:
             grad = jax.tree.map(jnp.add, grad, correction_fn(ctx))
+        return grad
+
+    def client_step(local: LocalState, batch: Batch, ctx: ClientContext, key) -> LocalState:
+        loss, batch_grad, increment, current = gradient(local.params, batch, ctx.data.count, key)
+        grad = total_gradient(batch_grad, local.params, ctx)
         lr = ctx.hparams["lr"]
         if stateful_tx:
             updates, opt_state = tx.update(grad, local.opt_state, current)
             params = jax.tree.map(lambda t, u: t - lr * u, current, updates)
         else:  # plain SGD: clipping folded into one scalar step size, one fused pass per leaf
             opt_state = local.opt_state
-            step = lr * clip_scale(grad, clip_norm)
+            has_pull = prior_fn is not None and prior_grad and clip_norm is not None
+            norm_of = total_gradient(batch_grad, local.params, ctx, expanded_prior=True) if has_pull else grad
+            step = lr * clip_scale(norm_of, clip_norm)
             params = jax.tree.map(lambda t, g: t - step * g, current, grad)
         acc = jax.tree.map(jnp.add, local.fisher, increment) if fisher is not None else ()
         return LocalState(params, opt_state, acc, local.steps + 1, loss.astype(jnp.float32))

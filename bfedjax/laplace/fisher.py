@@ -75,7 +75,10 @@ def increment_from_batch_grad(grad, batch: Batch, m, fisher_estimator: str | Non
     if fisher_estimator is None:
         return None
     if fisher_estimator == "batch_mean_sq":
-        return jax.tree.map(lambda g: (jnp.sum(batch.mask) / m) * jnp.square(g), grad)
+        scale = jnp.sum(batch.mask) / m
+        # (scale * g) * g, not scale * g**2: a square of its own would be shared with the clip norm's
+        # and materialised as a full tensor for both (FOLA with prior_grad=False)
+        return jax.tree.map(lambda g: (scale * g) * g, grad)
     if fisher_estimator == "alg1_raw":
         return jax.tree.map(jnp.square, grad)
     raise ValueError(f"unknown Fisher estimator {fisher_estimator!r}; choose one of {FISHER_ESTIMATORS}")
