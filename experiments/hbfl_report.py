@@ -82,3 +82,32 @@ def ablations(by, alphas) -> list[str]:
         if parts:
             lines.append(f"- alpha {alpha:g}: " + "; ".join(parts) + ".")
     return lines
+
+
+def largest_client_weight(sizes, weighting: str) -> float:
+    """The largest client's share of the server product's weights ``q_k * lambda_k`` when every meme's
+    precision ``lambda_k`` grows in proportion to its data ``n_k`` (the summed NLL of spec section 2.4:
+    precision = curvature / T): ``n_max^2 / sum n_k^2`` for ``q_k = n_k / n`` (``"by_size"``), ``n_max / n``
+    for ``q_k = 1`` (``"equal"``)."""
+    n = np.asarray(sizes, np.float64)
+    power = {"by_size": 2, "equal": 1}[weighting]
+    return float(n.max() ** power / np.sum(n ** power))
+
+
+def client_size_table(sizes, by, alphas) -> list[str]:
+    """Markdown rows per alpha and seed: the split's client sizes, the largest client's share of the product's
+    weights under each weighting, and that seed's best-GA gap of q_k = n_k / n over equal weights.
+
+    ``sizes`` maps ``(alpha, seed)`` to the clients' training-set sizes."""
+    lines = ["| alpha | seed | client sizes | largest client's weight, q_k = n_k / n | q_k = 1 | "
+             "best GA, q_k = n_k / n - q_k = 1 |", "|---|---|---|---|---|---|"]
+    for alpha in alphas:
+        hetero = {r["seed"]: r for r in by.get(("hetero", "hbfl", alpha), [])}
+        equal = {r["seed"]: r for r in by.get(("equal_q", "hbfl", alpha), [])}
+        for (a, seed), n in sorted(sizes.items()):
+            if a != alpha:
+                continue
+            gap = f"{best(hetero[seed]) - best(equal[seed]):+.4f}" if seed in hetero and seed in equal else "-"
+            lines.append(f"| {alpha:g} | {seed} | {', '.join(str(int(k)) for k in sorted(n, reverse=True))} | "
+                         f"{largest_client_weight(n, 'by_size'):.2f} | {largest_client_weight(n, 'equal'):.2f} | {gap} |")
+    return lines

@@ -285,3 +285,15 @@ def test_hbfl_report_pairs_runs_by_seed():
     np.testing.assert_allclose(hbfl_report.paired_gaps(by, ("hetero", "hbfl"), ("equal_q", "hbfl"), 0.1), [0.1, 0.05])
     assert "hetero HBFL (q_k = n_k / n) - equal_q (q_k = 1), best GA +0.0750 ± 0.0354 (ahead in 2 of 2 seeds)" in \
         hbfl_report.ablations(by, [0.1])[0]
+
+
+def test_hbfl_report_weighs_the_largest_client_by_size_twice():
+    """With precision proportional to n_k, q_k = n_k / n weighs client k by n_k^2, equal weights by n_k."""
+    from experiments import hbfl_report
+    assert hbfl_report.largest_client_weight([1, 1, 2], "by_size") == pytest.approx(4 / 6)
+    assert hbfl_report.largest_client_weight([1, 1, 2], "equal") == pytest.approx(0.5)
+    by = {(setting, "hbfl", 0.05): [_hbfl_record(setting, "hbfl", 0.05, 0, ga)]
+          for setting, ga in (("hetero", 0.65), ("equal_q", 0.75))}
+    rows = hbfl_report.client_size_table({(0.05, 0): [100, 300, 100], (0.05, 1): [5, 5]}, by, [0.05])
+    assert rows[2] == "| 0.05 | 0 | 300, 100, 100 | 0.82 | 0.60 | -0.1000 |"
+    assert rows[3] == "| 0.05 | 1 | 5, 5 | 0.50 | 0.50 | - |"
