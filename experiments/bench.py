@@ -370,10 +370,10 @@ def default_variant(algorithm, fed, config: Config) -> str:
     """The library variant ``simulate(..., clients_per_chunk="auto")`` runs: ``vmap`` or ``vmap/cN``."""
     import jax
     from bfedjax.core import RoundConfig, init_state
-    from bfedjax.core.simulate import auto_layout
+    from bfedjax.core.simulate import auto_layout, round_arrays
     round_config = RoundConfig(fed.num_clients, fed.num_clients, evaluate_local=False)
     state = init_state(algorithm, algorithm.init_params(jax.random.PRNGKey(0), fed.input_shape), round_config)
-    chunk = auto_layout(algorithm, round_config, state)
+    chunk = auto_layout(algorithm, round_config, state, round_arrays(fed))
     return "vmap" if chunk is None or chunk >= fed.num_clients else f"vmap/c{chunk}"
 
 

@@ -36,6 +36,10 @@ def _state(algorithm, fed, client_groups=None):
     return config, init_state(algorithm, params, config)
 
 
+def _auto_layout(algorithm, fed, config, state):
+    return simulate_module.auto_layout(algorithm, config, state, simulate_module.round_arrays(fed))
+
+
 def test_convolutional_models_are_recognised_by_their_kernels(digits_fed, images_fed):
     """Conv kernels [H, W, I, O] in the global model, or [N_group, H, W, I, O] in grouped local models."""
     cnn = bf.algorithms.build("fedavg", bf.models.get_model("lenet", 10), images_fed, batch_size=4)
@@ -51,15 +55,16 @@ def test_convolutional_models_are_recognised_by_their_kernels(digits_fed, images
     config, state = _state(hbfl, images_fed, groups)
     assert not layout.has_conv_kernels(hbfl.global_params(state.server))
     assert layout.has_conv_kernels(hbfl.global_params(state.server), state.persistent)
-    assert simulate_module.auto_layout(hbfl, config, state) == (1 if jax.default_backend() == "cpu" else None)
+    assert _auto_layout(hbfl, images_fed, config, state) == (1 if jax.default_backend() == "cpu" else None)
 
 
 def test_dense_chunks_fit_the_cache_and_accelerators_chunk_only_for_memory():
-    server_bytes = 10_000
-    client = layout.STATE_COPIES * server_bytes + 100
+    model_bytes, local_bytes = 10_000, 20_000
+    client = local_bytes + layout.WORKING_COPIES * model_bytes + 100
     cache = int(client * 3.5)  # room for 3 clients' state
     pick = lambda convolutional=False, **kw: layout.auto_clients_per_chunk(
-        convolutional=convolutional, server_bytes=server_bytes, persistent_bytes_per_client=100, **kw)
+        convolutional=convolutional, model_bytes=model_bytes, local_state_bytes=local_bytes,
+        persistent_bytes_per_client=100, **kw)
     assert pick(cohort=6, platform="cpu", cache_bytes=cache) == 3
     assert pick(cohort=2, platform="cpu", cache_bytes=cache) is None  # the whole cohort fits: one vmap
     assert pick(cohort=6, platform="cpu", cache_bytes=client) == 1  # never less than one client
@@ -72,14 +77,16 @@ def test_dense_chunks_fit_the_cache_and_accelerators_chunk_only_for_memory():
 
 
 def test_cpu_chunks_ignore_cache_beyond_the_cap_and_avoid_padded_chunks():
-    mlp_server = 199_210 * 4  # the 784-200-200-10 MLP's float32 weights
-    pick = lambda cohort, cache, server=mlp_server: layout.auto_clients_per_chunk(
-        convolutional=False, server_bytes=server, persistent_bytes_per_client=0, cohort=cohort, platform="cpu",
-        cache_bytes=cache)
-    # a VM reporting its host's 480 MiB L3 gets the same chunks as a 32 MiB one: 10 FedAvg clients, 5 FOLA
+    mlp = 199_210 * 4  # the 784-200-200-10 MLP's float32 weights
+    pick = lambda cohort, cache, local=mlp: layout.auto_clients_per_chunk(
+        convolutional=False, model_bytes=mlp, local_state_bytes=local, persistent_bytes_per_client=0,
+        cohort=cohort, platform="cpu", cache_bytes=cache)
+    # a VM reporting its host's 480 MiB L3 gets the same chunks as a 32 MiB one: 10 FedAvg clients (weights),
+    # 10 FOLA clients (weights and Fisher; one vmap of 10), 5 BFL clients (means, scales, Adam moments)
     assert pick(100, 480 * 2**20) == pick(100, 32 * 2**20) == 10
-    assert pick(100, 480 * 2**20, server=2 * mlp_server) == 5
-    assert pick(100, 8 * 2**20) == 2  # a smaller cache bounds the chunk
+    assert pick(100, 480 * 2**20, local=2 * mlp) == 10 and pick(10, 480 * 2**20, local=2 * mlp) is None
+    assert pick(100, 480 * 2**20, local=6 * mlp) == 5
+    assert pick(100, 8 * 2**20) == 3  # a smaller cache bounds the chunk
     # room for 7 clients: 20 chunks of 5 (20 x 5.5 client slots with the per-chunk overhead) rather than
     # 15 chunks of 7 (105 slots, 15 x 7.5)
     assert layout.cheapest_chunk(100, 7) == 5
@@ -92,10 +99,12 @@ def test_cpu_chunks_ignore_cache_beyond_the_cap_and_avoid_padded_chunks():
 def test_simulate_reports_the_auto_layout_and_it_changes_only_rounding(digits_fed, monkeypatch):
     mlp = bf.algorithms.build("fedavg", bf.models.get_model("mlp", 10, hidden=(32,)), digits_fed, batch_size=16)
     config, state = _state(mlp, digits_fed)
-    client = layout.STATE_COPIES * layout.tree_bytes(state.server)
+    client = (1 + layout.WORKING_COPIES) * layout.tree_bytes(state.server)  # FedAvg's local state: the weights
+    assert simulate_module.local_state_bytes(mlp, config, state, simulate_module.round_arrays(digits_fed)) == \
+        pytest.approx(layout.tree_bytes(state.server), abs=64)  # and a few scalars
     monkeypatch.setattr(layout, "CHUNK_STATE_BYTES", int(2.5 * client))  # room for 2 of the 6 clients
     expected = 2 if jax.default_backend() == "cpu" else None  # accelerators: one vmap unless memory is short
-    assert simulate_module.auto_layout(mlp, config, state) == expected
+    assert _auto_layout(mlp, digits_fed, config, state) == expected
     run = lambda chunk: bf.simulate(mlp, digits_fed, rounds=2, key=jax.random.PRNGKey(3), clients_per_chunk=chunk)
     auto, one_vmap = run("auto"), run(None)
     assert auto.clients_per_chunk == expected and one_vmap.clients_per_chunk is None

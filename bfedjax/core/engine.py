@@ -361,7 +361,7 @@ def _group_rows(config: RoundConfig, client_ids, group: int):
     return jnp.where(own, jnp.asarray(config.index_in_group)[safe], 0)
 
 
-def _client_inputs(state: EngineState, arrays: RoundArrays, config: RoundConfig, client_id, group: int):
+def client_inputs(state: EngineState, arrays: RoundArrays, config: RoundConfig, client_id, group: int):
     """Data and persistent state of one client of ``group`` (padding id N gives an empty client)."""
     n = arrays.counts.shape[0]
     safe = jnp.minimum(client_id, n - 1)
@@ -404,7 +404,7 @@ def _with_client_test_metrics(algorithm: Algorithm, arrays: RoundArrays, client_
 
 
 def _run_one_client(algorithm, config, state, arrays, hparams, client_id, key, budget, group):
-    data, persistent = _client_inputs(state, arrays, config, client_id, group)
+    data, persistent = client_inputs(state, arrays, config, client_id, group)
     ctx = ClientContext(state.server, persistent, data, hparams, group, _client_test_data(arrays, client_id))
     outputs = local_training(algorithm, ctx, key, budget)
     return _with_client_test_metrics(algorithm, arrays, client_id, outputs, group)
@@ -796,7 +796,7 @@ def _looped_client(algorithm, config, wrap, call):
     runs one stage (debug adds the client and stage to errors).
     """
     batch_size = algorithm.batch_size
-    inputs = {g: wrap(lambda state, arrays, cid, g=g: _client_inputs(state, arrays, config, cid, g))
+    inputs = {g: wrap(lambda state, arrays, cid, g=g: client_inputs(state, arrays, config, cid, g))
               for g in range(config.num_groups)}
     client_test = {g: wrap(lambda arrays, cid, out, g=g: _with_client_test_metrics(algorithm, arrays, cid, out, g))
                    for g in range(config.num_groups)}

@@ -8,20 +8,24 @@ is traced:
   inside the jitted round. Under a client vmap every convolution becomes a grouped
   convolution, which XLA:CPU runs 3-6x slower than its plain NHWC kernels
   (``python -m experiments.bench``: FedReg's CNN, ``vmap`` against ``vmap/c1``).
-* **CPU, dense models**: chunks whose training state (per client about
-  ``STATE_COPIES`` copies of the server state: weights, gradient, optimiser or Fisher
-  state and message, plus the client's persistent state) fits in ``CHUNK_STATE_BYTES``
+* **CPU, dense models**: chunks whose training state fits in ``CHUNK_STATE_BYTES``
   or the last-level cache if smaller, of the size ``cheapest_chunk`` estimates cheapest
-  (padding against per-chunk overhead). One vmap over 100 MLP clients streams 80 MB of
-  weights per step from memory; chunks of about 32 MiB of state (784-200-200-10 MLP:
-  10 FedAvg or 5 FOLA clients) run such a round 1.5-1.8x faster than one vmap on a 2-core
-  VM (``results/bench/bench.md``). That VM reports its host's 480 MiB L3, most of it other
-  tenants', and the earlier rule, a quarter of the reported cache, gave chunks of 39 and
-  19 there, 1.3-1.4x slower than the fastest chunks (``python -m experiments.bench
-  --only="mlp K=100" --cpu_chunks=1,2,5`` at 73508be).
+  (padding against per-chunk overhead). A client's training state is its local state
+  (the algorithm's ``client_init``: weights, plus FOLA's Fisher or BFL's scales and Adam
+  moments), ``WORKING_COPIES`` model-sized working copies (the gradient and the updated
+  weights) and its persistent state; the server state is read by every client of a chunk
+  and not counted per client. One vmap over 100 MLP clients streams 80 MB of weights per
+  step from memory; chunks of about 32 MiB of state (784-200-200-10 MLP: 10 FedAvg, FOLA
+  or FedReg clients, 5 BFL clients) run such a round 1.5-1.8x faster than one vmap on a
+  2-core VM (``results/bench/bench.md``). That VM reports its host's 480 MiB L3, most of
+  it other tenants', and the earlier rule, a quarter of the reported cache, gave chunks of
+  39 and 19 there, 1.3-1.4x slower than the fastest chunks (``python -m experiments.bench
+  --only="mlp K=100" --cpu_chunks=1,2,5`` at 73508be). Counting four copies of the whole
+  server state instead gave FOLA (whose server also holds the precision) chunks of 5,
+  1.04-1.17x slower than chunks of 10 or one vmap (``results/bench/CHANGES.md``).
 * **GPU/TPU**: one vmap over the whole cohort (the padded work runs in
-  parallel), or chunks when ``STATE_COPIES`` copies of every client's state would
-  not fit in ``MEMORY_SHARE`` of the device's memory.
+  parallel), or chunks when every client's training state would not fit in
+  ``MEMORY_SHARE`` of the device's memory.
 
 Only the float rounding of the result depends on the layout (the engine sorts the
 cohort by size and masks the padding either way), so a run can be resumed under
@@ -37,9 +41,9 @@ import jax
 import numpy as np
 
 AUTO = "auto"
-# Per-client working set: about this many copies of the server state (weights, gradient,
-# optimiser or Fisher state, message) plus the client's persistent state.
-STATE_COPIES = 4
+# Per-client working set beyond its local state: this many copies of the model (the gradient and the
+# updated weights).
+WORKING_COPIES = 2
 # CPU: a chunk's working set within this many bytes, or the last-level cache if smaller. Not a share of
 # the cache alone: a VM reports its host socket's whole cache, which its few cores share with others.
 CHUNK_STATE_BYTES = 32 * 2**20
@@ -51,22 +55,23 @@ MEMORY_SHARE = 0.25     # accelerators: chunk only when the cohort's state excee
 DEFAULT_CACHE_BYTES = 8 * 2**20
 
 
-def auto_clients_per_chunk(*, convolutional: bool, server_bytes: int, persistent_bytes_per_client: float,
-                           cohort: int, platform: str, device_memory_bytes: int | None = None,
-                           cache_bytes: int | None = None) -> int | None:
+def auto_clients_per_chunk(*, convolutional: bool, model_bytes: int, local_state_bytes: int,
+                           persistent_bytes_per_client: float, cohort: int, platform: str,
+                           device_memory_bytes: int | None = None, cache_bytes: int | None = None) -> int | None:
     """Clients per chunk for a round (``None``: the whole cohort in one vmap).
 
     Args:
       convolutional: whether a client trains a convolutional model (``has_conv_kernels``).
-      server_bytes: bytes of the server state every client reads (the global model, and e.g. FOLA's
-        precision or a variational model's scales).
+      model_bytes: bytes of the global model (``Algorithm.global_params``).
+      local_state_bytes: bytes of one client's local training state (``Algorithm.client_init``'s output;
+        the largest over architecture groups).
       persistent_bytes_per_client: bytes of one client's persistent state (0 for most algorithms).
       cohort: K, clients per round.
       platform: ``"cpu"``, ``"gpu"`` or ``"tpu"``.
       device_memory_bytes: the accelerator's memory (``None``: unknown, never chunk).
       cache_bytes: the CPU's last-level cache (``None``: read from the OS, else 8 MiB).
     """
-    client_bytes = STATE_COPIES * server_bytes + persistent_bytes_per_client
+    client_bytes = local_state_bytes + WORKING_COPIES * model_bytes + persistent_bytes_per_client
     if platform == "cpu":
         if convolutional:
             return 1

@@ -15,8 +15,9 @@ import numpy as np
 
 from bfedjax.core.attacks import Attack, flip_labels
 from bfedjax.core import layout
-from bfedjax.core.engine import EngineState, RoundArrays, RoundConfig, init_state, make_round_step, with_own_buffers
-from bfedjax.core.types import Algorithm
+from bfedjax.core.engine import (EngineState, RoundArrays, RoundConfig, client_inputs, init_state, make_round_step,
+                                 with_own_buffers)
+from bfedjax.core.types import Algorithm, ClientContext
 
 
 class NonFiniteClientError(ValueError):
@@ -201,7 +202,7 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
     if mesh is not None:
         state = sharding.shard_state(state, mesh)
     if auto and backend == "vmap" and mesh is None:
-        config = dataclasses.replace(config, clients_per_chunk=auto_layout(algorithm, config, state))
+        config = dataclasses.replace(config, clients_per_chunk=auto_layout(algorithm, config, state, arrays))
     donate = backend == "vmap"
     round_step = make_round_step(algorithm, config, backend, donate_state=donate)
 
@@ -248,16 +249,33 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
     return SimulationResult(algorithm.name, metrics, state, config.clients_per_chunk)
 
 
-def auto_layout(algorithm: Algorithm, config: RoundConfig, state: EngineState) -> int | None:
-    """``core.layout.auto_clients_per_chunk`` for this round, from the server's and clients' state."""
+def auto_layout(algorithm: Algorithm, config: RoundConfig, state: EngineState, arrays: RoundArrays) -> int | None:
+    """``core.layout.auto_clients_per_chunk`` for this round, from the model's, the clients' and their local
+    training state's sizes."""
     device = jax.devices()[0]
     params = algorithm.global_params(state.server)
     return layout.auto_clients_per_chunk(
         convolutional=layout.has_conv_kernels(params, state.persistent),
-        server_bytes=layout.tree_bytes(state.server),
+        model_bytes=layout.tree_bytes(params),
+        local_state_bytes=local_state_bytes(algorithm, config, state, arrays),
         persistent_bytes_per_client=layout.tree_bytes(state.persistent) / config.num_clients,
         cohort=config.clients_per_round, platform=device.platform,
         device_memory_bytes=layout.device_memory_bytes(device))
+
+
+def local_state_bytes(algorithm: Algorithm, config: RoundConfig, state: EngineState, arrays: RoundArrays) -> int:
+    """Bytes of ``client_init``'s local state for the first client of each architecture group, the largest
+    (shapes only: ``jax.eval_shape``, nothing runs)."""
+    hparams = traced_hparams(algorithm, 1)
+
+    def local_state(client_id: int, group: int):
+        data, persistent = client_inputs(state, arrays, config, client_id, group)
+        ctx = ClientContext(state.server, persistent, data, hparams, group, None)
+        return algorithm.client_init(ctx, jax.random.PRNGKey(0))
+
+    firsts = {int(g): int(np.argmax(config.group_of == g)) for g in np.unique(config.group_of)}
+    return max(layout.tree_bytes(jax.eval_shape(lambda: local_state(client, group)))
+               for group, client in firsts.items())
 
 
 def _checked_groups(algorithm: Algorithm, client_groups, num_clients: int) -> tuple[int, ...] | None:
