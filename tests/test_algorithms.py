@@ -70,18 +70,24 @@ def test_detached_prior_equals_lambda_zero(small_fed, tiny_model, tiny_params):
                                 _one_round(zero, small_fed, tiny_params, r=2, state=s2)[0])
 
 
-def test_the_local_step_adds_lambda_precision_times_offset(small_fed, tiny_model, tiny_params):
-    """One local SGD step with a prior moves theta by -lr * (g + lam * precision * (theta - center))."""
+def _one_sgd_step(small_fed, tiny_model, tiny_params, **client_options):
+    """Weights after one local SGD step (lr 0.1, lam 7) on client 0's first 16 samples, with the prior
+    ``(center = theta + 0.3, precision = |theta| + 0.5)`` when ``prior=True``; also returns that prior."""
     from bfedjax.algorithms.local_sgd import make_sgd_client
     center = jax.tree.map(lambda p: p + 0.3, tiny_params)
     precision = jax.tree.map(lambda p: jnp.abs(p) + 0.5, tiny_params)
-    init, step = make_sgd_client(tiny_model, prior_fn=lambda ctx: (center, precision), clip_norm=None)
-    plain_init, plain_step = make_sgd_client(tiny_model, clip_norm=None)
+    prior_fn = (lambda ctx: (center, precision)) if client_options.pop("prior") else None
+    init, step = make_sgd_client(tiny_model, prior_fn=prior_fn, **client_options)
     data = _client(small_fed, 0)
     batch = bf.core.Batch(data.x[:16], data.y[:16], jnp.ones(16))
     ctx = ClientContext({"params": tiny_params}, (), data, {"lr": jnp.float32(0.1), "lam": jnp.float32(7.0)})
-    with_prior = step(init(ctx, None), batch, ctx, jax.random.PRNGKey(0)).params
-    without = plain_step(plain_init(ctx, None), batch, ctx, jax.random.PRNGKey(0)).params
+    return step(init(ctx, None), batch, ctx, jax.random.PRNGKey(0)).params, center, precision
+
+
+def test_the_local_step_adds_lambda_precision_times_offset(small_fed, tiny_model, tiny_params):
+    """One local SGD step with a prior moves theta by -lr * (g + lam * precision * (theta - center))."""
+    with_prior, center, precision = _one_sgd_step(small_fed, tiny_model, tiny_params, prior=True, clip_norm=None)
+    without, _, _ = _one_sgd_step(small_fed, tiny_model, tiny_params, prior=False, clip_norm=None)
     pull = jax.tree.map(lambda p, c, t: 7.0 * p * (t - c), precision, center, tiny_params)
     chex.assert_trees_all_close(jax.tree.map(lambda a, b: (b - a) / 0.1, with_prior, without), pull, rtol=1e-4,
                                 atol=1e-6)
@@ -92,16 +98,8 @@ def test_the_local_step_adds_lambda_precision_times_offset(small_fed, tiny_model
 
 def test_clipping_scales_the_gradient_with_the_prior_pull_by_its_norm(small_fed, tiny_model, tiny_params):
     """With a prior and clipping, theta moves by -lr * clip_by_global_norm(g + pull): the norm is the total's."""
-    from bfedjax.algorithms.local_sgd import make_sgd_client
-    center = jax.tree.map(lambda p: p + 0.3, tiny_params)
-    precision = jax.tree.map(lambda p: jnp.abs(p) + 0.5, tiny_params)
-    clipped_init, clipped_step = make_sgd_client(tiny_model, prior_fn=lambda ctx: (center, precision), clip_norm=0.5)
-    plain_init, plain_step = make_sgd_client(tiny_model, clip_norm=None)
-    data = _client(small_fed, 0)
-    batch = bf.core.Batch(data.x[:16], data.y[:16], jnp.ones(16))
-    ctx = ClientContext({"params": tiny_params}, (), data, {"lr": jnp.float32(0.1), "lam": jnp.float32(7.0)})
-    clipped = clipped_step(clipped_init(ctx, None), batch, ctx, jax.random.PRNGKey(0)).params
-    plain = plain_step(plain_init(ctx, None), batch, ctx, jax.random.PRNGKey(0)).params
+    clipped, center, precision = _one_sgd_step(small_fed, tiny_model, tiny_params, prior=True, clip_norm=0.5)
+    plain, _, _ = _one_sgd_step(small_fed, tiny_model, tiny_params, prior=False, clip_norm=None)
     total = jax.tree.map(lambda t, u, p, c: (t - u) / 0.1 + 7.0 * p * (t - c), tiny_params, plain, precision, center)
     assert float(optax.tree.norm(total)) > 5.0  # clipping is active
     expected_step, _ = optax.clip_by_global_norm(0.5).update(total, optax.EmptyState())
