@@ -168,7 +168,7 @@ def report(records, alphas, seeds, command: str, data) -> str:
               "gaps reflect early training speed as much as the final accuracy."]
     lines += ["", "## Client sizes and the product's weights", "",
               "A meme's precision is its curvature over T, with the NLL summed over the client's n_k samples (spec "
-              "section 2.4), so it grows with n_k; q_k = n_k / n (the paper's Eq. 3.12, the default) multiplies by "
+              "section 2.4; the batch-mean form divides T by n_k, to the same optimum), so it grows with n_k; q_k = n_k / n (the paper's Eq. 3.12, the default) multiplies by "
               "n_k again, and the product weighs a client by about n_k^2, where FedAvg weighs it by n_k and FML's "
               "plain average of the memes equally. Under a Dirichlet split with a small alpha one client can then "
               "hold most of the product's weight and pull the global meme towards its own data. Equal weights (q_k = 1, the "

@@ -96,11 +96,17 @@ def test_the_local_step_adds_lambda_precision_times_offset(small_fed, tiny_model
                                 rtol=1e-6)
 
 
-def test_clipping_scales_the_gradient_with_the_prior_pull_by_its_norm(small_fed, tiny_model, tiny_params):
-    """With a prior and clipping, theta moves by -lr * clip_by_global_norm(g + pull): the norm is the total's."""
-    clipped, center, precision = _one_sgd_step(small_fed, tiny_model, tiny_params, prior=True, clip_norm=0.5)
+@pytest.mark.parametrize("weight_decay", [0.0, 0.5])
+def test_clipping_scales_the_gradient_with_the_prior_pull_by_its_norm(small_fed, tiny_model, tiny_params,
+                                                                       weight_decay):
+    """With a prior and clipping, theta moves by -lr * clip_by_global_norm(g + pull (+ decay)): the norm is the
+    total's."""
+    from bfedjax.algorithms.local_sgd import add_kernel_decay
+    clipped, center, precision = _one_sgd_step(small_fed, tiny_model, tiny_params, prior=True, clip_norm=0.5,
+                                               weight_decay=weight_decay)
     plain, _, _ = _one_sgd_step(small_fed, tiny_model, tiny_params, prior=False, clip_norm=None)
     total = jax.tree.map(lambda t, u, p, c: (t - u) / 0.1 + 7.0 * p * (t - c), tiny_params, plain, precision, center)
+    total = add_kernel_decay(total, tiny_params, weight_decay) if weight_decay else total
     assert float(optax.tree.norm(total)) > 5.0  # clipping is active
     expected_step, _ = optax.clip_by_global_norm(0.5).update(total, optax.EmptyState())
     chex.assert_trees_all_close(jax.tree.map(lambda t, c: (t - c) / 0.1, tiny_params, clipped), expected_step,

@@ -146,8 +146,9 @@ def make_sgd_client(model, *, prior_fn: PriorFn | None = None, prior_weight: str
         """The step's gradient: ``grad`` plus the prior's pull, the weight decay and the correction.
 
         ``expanded_prior`` writes the pull ``lam * precision * (theta - center)`` as
-        ``w * theta - w * center`` with ``w = lam * precision``: the same value up to rounding, but
-        a separate expression. The clip norm reads that form, so XLA fuses it into the norm's
+        ``w * theta - w * center`` with ``w = lam * precision``: the same value up to rounding (relative
+        to ``|w * theta|``, so only a clip norm far above the gradient's, ``|w * theta|`` around 1e5 times
+        it, would notice), but a separate expression. The clip norm reads that form, so XLA fuses it into the norm's
         reduction instead of materialising the total gradient once for the reduction and again for
         the update (FOLA's MLP round, 10 clients vmapped, B = 50: 8% faster on a CPU).
         """

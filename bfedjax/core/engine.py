@@ -372,7 +372,7 @@ def client_inputs(state: EngineState, arrays: RoundArrays, config: RoundConfig, 
     return data, persistent
 
 
-def _client_test_data(arrays: RoundArrays, client_id) -> ClientData | None:
+def client_test_data(arrays: RoundArrays, client_id) -> ClientData | None:
     """The client's own test split (padding id N: an empty one), or ``None`` without per-client splits."""
     if arrays.test_counts is None:
         return None
@@ -385,7 +385,7 @@ def _client_test_data(arrays: RoundArrays, client_id) -> ClientData | None:
 def _with_client_test_metrics(algorithm: Algorithm, arrays: RoundArrays, client_id, outputs, group: int):
     """Adds ``client_test_<name>``: the client's own models scored on its own test split (if the federation has one)."""
     message, persistent, metrics = outputs
-    test = _client_test_data(arrays, client_id)
+    test = client_test_data(arrays, client_id)
     if test is None:
         return outputs
     x, y = test.x, test.y
@@ -405,7 +405,7 @@ def _with_client_test_metrics(algorithm: Algorithm, arrays: RoundArrays, client_
 
 def _run_one_client(algorithm, config, state, arrays, hparams, client_id, key, budget, group):
     data, persistent = client_inputs(state, arrays, config, client_id, group)
-    ctx = ClientContext(state.server, persistent, data, hparams, group, _client_test_data(arrays, client_id))
+    ctx = ClientContext(state.server, persistent, data, hparams, group, client_test_data(arrays, client_id))
     outputs = local_training(algorithm, ctx, key, budget)
     return _with_client_test_metrics(algorithm, arrays, client_id, outputs, group)
 
@@ -721,7 +721,7 @@ def _vmapped_round(algorithm, config, state, arrays, key, hparams):
         if everyone and chunk is None:
             # Full participation: vmap straight over the stored client axis (no gather copy).
             def train_in_place(data, persistent, cid, k, b):
-                ctx = ClientContext(state.server, persistent, data, hparams, 0, _client_test_data(arrays, cid))
+                ctx = ClientContext(state.server, persistent, data, hparams, 0, client_test_data(arrays, cid))
                 return _with_client_test_metrics(algorithm, arrays, cid, local_training(algorithm, ctx, k, b), 0)
             data = ClientData(arrays.x, arrays.y, arrays.counts)
             outputs = jax.vmap(train_in_place)(data, state.persistent[0], sub.ids, sub.keys, sub.budgets)
@@ -800,7 +800,7 @@ def _looped_client(algorithm, config, wrap, call):
               for g in range(config.num_groups)}
     client_test = {g: wrap(lambda arrays, cid, out, g=g: _with_client_test_metrics(algorithm, arrays, cid, out, g))
                    for g in range(config.num_groups)}
-    test_of = wrap(_client_test_data)
+    test_of = wrap(client_test_data)
     init = wrap(algorithm.client_init)
     order_of = wrap(epoch_permutation, static_argnums=2) if wrap is jax.jit else epoch_permutation
     step = wrap(lambda local, ctx, order, j, key: algorithm.client_step(

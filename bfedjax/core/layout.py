@@ -14,9 +14,11 @@ is traced:
   (the algorithm's ``client_init``: weights, plus FOLA's Fisher or BFL's scales and Adam
   moments), ``WORKING_COPIES`` model-sized working copies (the gradient and the updated
   weights) and its persistent state; the server state is read by every client of a chunk
-  and not counted per client. One vmap over 100 MLP clients streams 80 MB of weights per
-  step from memory; chunks of about 32 MiB of state (784-200-200-10 MLP: 10 FedAvg, FOLA
-  or FedReg clients, 5 BFL clients) run such a round 1.5-1.8x faster than one vmap on a
+  and not counted per client (nor the gradients of a client's other trained state, such as
+  BFL's scales or HBFL's local models: the rule is a heuristic, checked by the bench's
+  ``default`` rows). One vmap over 100 MLP clients streams 80 MB of weights per step from
+  memory; chunks of about 32 MiB of state (784-200-200-10 MLP: 10 FedAvg, FOLA or FedReg
+  clients, 5 BFL clients) run a FedAvg or FOLA round 1.5-1.8x faster than one vmap on a
   2-core VM (``results/bench/bench.md``). That VM reports its host's 480 MiB L3, most of
   it other tenants', and the earlier rule, a quarter of the reported cache, gave chunks of
   39 and 19 there, 1.3-1.4x slower than the fastest chunks (``python -m experiments.bench

@@ -15,8 +15,8 @@ import numpy as np
 
 from bfedjax.core.attacks import Attack, flip_labels
 from bfedjax.core import layout
-from bfedjax.core.engine import (EngineState, RoundArrays, RoundConfig, client_inputs, init_state, make_round_step,
-                                 with_own_buffers)
+from bfedjax.core.engine import (EngineState, RoundArrays, RoundConfig, client_inputs, client_test_data, init_state,
+                                 make_round_step, with_own_buffers)
 from bfedjax.core.types import Algorithm, ClientContext
 
 
@@ -270,7 +270,7 @@ def local_state_bytes(algorithm: Algorithm, config: RoundConfig, state: EngineSt
 
     def local_state(client_id: int, group: int):
         data, persistent = client_inputs(state, arrays, config, client_id, group)
-        ctx = ClientContext(state.server, persistent, data, hparams, group, None)
+        ctx = ClientContext(state.server, persistent, data, hparams, group, client_test_data(arrays, client_id))
         return algorithm.client_init(ctx, jax.random.PRNGKey(0))
 
     firsts = {int(g): int(np.argmax(config.group_of == g)) for g in np.unique(config.group_of)}
