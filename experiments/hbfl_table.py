@@ -179,7 +179,9 @@ def report(records, alphas, seeds, command: str, data) -> str:
     if ablation_lines:
         lines += ["", "## The ablations (per-seed differences, mean ± std)", ""] + ablation_lines
     total = sum(r["seconds"] for r in records)
-    lines += ["", f"Training time of the runs in this table: {total / 60:.1f} minutes. Each run's per-round GA and "
+    lines += ["", f"Training time of the runs in this table: {total / 60:.1f} minutes, the sum of each run's own "
+              "wall-clock time (runs that shared the machine with others each count their slower time). "
+              "Each run's per-round GA and "
               f"CA are in `{FLAGS.output_dir}/<setting>_<method>_a<alpha>_s<seed>.json`."]
     return "\n".join(lines) + "\n"
 
