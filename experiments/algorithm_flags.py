@@ -168,7 +168,8 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     number(flags.DEFINE_integer, "train_samples", "bfl: MC samples of the ELBO per step (default 1).")
     enum("gradient_estimator", GRADIENT_ESTIMATORS,
          "bfl: gradient estimator of the expected log-likelihood (default flipout: per-example sign-flipped "
-         "kernel noise; reparameterization: one weight sample per batch).")
+         "kernel noise; local_reparameterization: each output unit drawn from its Gaussian given the input; "
+         "reparameterization: one weight sample per batch).")
     # FedCurv, FedProx, SCAFFOLD, FedReg.
     enum("fedcurv_variant", FEDCURV_VARIANTS,
          "fedcurv form (previous_round: the FedReg authors'; run it with --fisher=per_sample_sq --clip_norm=0).")

@@ -80,6 +80,8 @@ flags.DEFINE_string("output_dir", "results/bench", "Where bench.json and bench.m
 flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16"], "The library's and the centralised "
                   "ceiling's compute dtype (models.COMPUTE_DTYPES; parameters stay float32), and the dtype of the "
                   "matmul peak; the PyTorch rows stay float32. Give bfloat16 runs their own --output_dir.")
+flags.DEFINE_string("bfl_gradient_estimator", "flipout", "Gradient estimator of the variational (bfl) clients, "
+                    "one of bfedjax.vi.GRADIENT_ESTIMATORS. Give other estimators their own --output_dir.")
 flags.DEFINE_bool("resume", False, "Keep the rows of --output_dir/bench.json (a run cut off on the same machine) "
                   "and time only the missing ones.")
 errors.check_list("backends", lambda b: b in BACKENDS, f"among {', '.join(BACKENDS)}", "vmap,stepwise")
@@ -146,13 +148,13 @@ def configurations(quick: bool) -> list[Config]:
     ]
 
 
-def make_algorithm(name: str, model, fed, batch_size: int):
+def make_algorithm(name: str, model, fed, batch_size: int, gradient_estimator: str = "flipout"):
     """The benchmarked clients with their factories' default options; lr 0.01 (the variational
     clients keep their Adam default, 1e-3), FOLA without its per-round precision diagnostics.
-    bfl: mean-field VI, WC aggregation (Fischer et al.); fedreg: pseudo/perturbed data generation
-    and projected steps."""
+    bfl: mean-field VI, WC aggregation (Fischer et al.), with ``gradient_estimator``; fedreg:
+    pseudo/perturbed data generation and projected steps."""
     import bfedjax as bf
-    options = {} if name == "bfl" else {"lr": 0.01}
+    options = {"gradient_estimator": gradient_estimator} if name == "bfl" else {"lr": 0.01}
     if name == "fola":  # the PyTorch loop computes no diagnostics either
         options["precision_diagnostics"] = False
     algorithm = bf.algorithms.build(name, model, fed, batch_size=batch_size, **options)
@@ -272,6 +274,9 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     import jax
     import bfedjax as bf
+    if FLAGS.bfl_gradient_estimator not in bf.vi.GRADIENT_ESTIMATORS:
+        raise app.UsageError(f"--bfl_gradient_estimator={FLAGS.bfl_gradient_estimator}; fix: use one of "
+                             f"{', '.join(bf.vi.GRADIENT_ESTIMATORS)}")
 
     rounds = FLAGS.rounds or 3
     rows, peak, bandwidth = (previous_rows(os.path.join(FLAGS.output_dir, "bench.json")) if FLAGS.resume
@@ -282,7 +287,7 @@ def main(argv):
     on_cpu = device.platform == "cpu"
     machine = {"platform": device.platform, "device": str(device.device_kind), "cpu_count": os.cpu_count(),
                "processor": platform.processor() or platform.machine(), "jax": jax.__version__,
-               "compute_dtype": FLAGS.compute_dtype}
+               "compute_dtype": FLAGS.compute_dtype, "bfl_gradient_estimator": FLAGS.bfl_gradient_estimator}
     if on_cpu:  # the default layout's chunks depend on it (core.layout)
         machine["last_level_cache_mib"] = bf.core.layout.last_level_cache_bytes() / 2**20
     data = {shape: load_images(shape) for shape in {INPUT_SHAPES["mlp"]}}
@@ -314,7 +319,7 @@ def main(argv):
         steps = int(np.ceil(fed.counts / config.batch_size).sum())  # local steps of all clients in a round
         ratio = fed.padded_work_ratio(config.batch_size, config.clients_per_chunk)
         for name in [a for a in config.algorithms if a in FLAGS.algorithms]:
-            algorithm = make_algorithm(name, model, fed, config.batch_size)
+            algorithm = make_algorithm(name, model, fed, config.batch_size, FLAGS.bfl_gradient_estimator)
             agg_s = time_aggregation(algorithm, fed)
             # a configuration that names its chunks has no default row
             default = default_variant(algorithm, fed, config) if not config.clients_per_chunk else None

@@ -116,7 +116,8 @@ def markdown(report) -> str:
     lines = [f"Machine: {m['platform']} ({m['device']}), {m['cpu_count']} cores{cache}, jax {m['jax']}; "
              f"measured matmul peak {report['matmul_peak_gflops']:.1f} GFLOP/s"
              + (f", memory bandwidth {bandwidth:.1f} GB/s" if bandwidth else "") + f"; data {report['data']}"
-             + f"; library compute dtype {m.get('compute_dtype', 'float32')}.", "",
+             + f"; library compute dtype {m.get('compute_dtype', 'float32')}"
+             + f"; bfl gradient estimator {m.get('bfl_gradient_estimator', 'flipout')}.", "",
              "`default`: the layout `simulate` picks by itself (`clients_per_chunk=\"auto\"`). Compile: the first "
              "round (compilation + one round).", "",
              "| configuration | algorithm | backend | round (s) | compile (s) | samples/s | GFLOP/s | % of peak | "

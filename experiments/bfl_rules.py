@@ -19,6 +19,7 @@ import time
 import numpy as np
 from absl import app, flags, logging
 
+from bfedjax.vi import GRADIENT_ESTIMATORS
 from experiments import errors
 
 FLAGS = flags.FLAGS
@@ -34,7 +35,7 @@ flags.DEFINE_float("lr", 1e-2, "Adam learning rate of the variational clients (s
 flags.DEFINE_float("fedavg_lr", 0.05, "SGD learning rate of the deterministic baseline.")
 flags.DEFINE_integer("hidden", 64, "MLP width.")
 flags.DEFINE_integer("test_samples", 10, "MC samples of the predictive.")
-flags.DEFINE_enum("gradient_estimator", "flipout", ["flipout", "reparameterization"],
+flags.DEFINE_enum("gradient_estimator", "flipout", list(GRADIENT_ESTIMATORS),
                   "Gradient estimator of the variational clients (default Flipout, as Fischer et al.'s TFP layers).")
 flags.DEFINE_float("dropout_rate", 0.2, "Dropout rate of the MC-dropout baseline (paper: 0.2).")
 flags.DEFINE_string("results_file", None, "Markdown output (default results/bfl_rules_<dataset>.md).")

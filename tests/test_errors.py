@@ -327,6 +327,8 @@ def test_binaries_print_one_line_and_exit_2(tmp_path):
         (["experiments.run", "--compute_dtype=int8"], "--compute_dtype=int8: value should be one of <float32|bfloat16"),
         (["experiments.bfl_rules", "--partitions=dirichlet"], "--partitions must be iid and/or shards"),
         (["experiments.bench", "--only=no such configuration"], "matches no configuration; fix: use part of"),
+        (["experiments.bench", "--bfl_gradient_estimator=local"],
+         "--bfl_gradient_estimator=local; fix: use one of flipout, local_reparameterization"),
         (["experiments.compare", f"--flagfile={tmp_path}/none.flags", "--runs", "a:"],
          "does not exist; fix: pass one of experiments/configs/*.flags"),
         (["experiments.compare", f"--flagfile={ROOT}/experiments/configs/hbfl/digits_smoke.flags", "--runs",

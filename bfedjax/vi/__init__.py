@@ -1,5 +1,8 @@
-"""Mean-field variational inference on NumPyro for federated clients (Flipout or reparameterisation)."""
-from bfedjax.vi.flipout import flipout_apply, flipout_interceptor
+"""Mean-field variational inference on NumPyro for federated clients (Flipout, local reparameterisation or
+reparameterisation)."""
+from bfedjax.vi.layer_noise import (flipout_apply, flipout_interceptor, local_reparameterization_apply,
+                                    local_reparameterization_interceptor)
 from bfedjax.vi.meanfield import GRADIENT_ESTIMATORS, MeanFieldConfig, MeanFieldVI
 
-__all__ = ["GRADIENT_ESTIMATORS", "MeanFieldConfig", "MeanFieldVI", "flipout_apply", "flipout_interceptor"]
+__all__ = ["GRADIENT_ESTIMATORS", "MeanFieldConfig", "MeanFieldVI", "flipout_apply", "flipout_interceptor",
+           "local_reparameterization_apply", "local_reparameterization_interceptor"]

@@ -5,9 +5,11 @@ module (``random_flax_module``); an ``AutoNormal`` guide holds one
 N(loc, scale) per weight (scale stored as softplus^-1, the paper's rho);
 ``TraceMeanField_ELBO`` uses the analytic Gaussian KL. Gradients of the
 expected log-likelihood come from Flipout on every variational dense/conv
-kernel by default (``vi.flipout``; the spec's recommendation, as Fischer et
-al.'s TFP layers), or from plain reparameterisation (one weight sample shared
-by the batch) with ``gradient_estimator="reparameterization"``. The likelihood of a
+kernel by default (``vi.layer_noise``; the spec's recommendation, as Fischer et
+al.'s TFP layers), from local reparameterisation (each output unit sampled from
+its Gaussian given the input; ``gradient_estimator="local_reparameterization"``)
+or from plain reparameterisation (one weight sample shared by the batch) with
+``gradient_estimator="reparameterization"``. The likelihood of a
 masked mini-batch is scaled by ``count / n_batch``, so one SVI step minimises
 ``|D_k| * (mean-batch CE) + KL`` = ``|D_k| * (CE + KL / |D_k|)`` (the KL scaled
 by 1/|D_k| as the paper's loss; with Adam the constant factor does not change
@@ -40,11 +42,11 @@ from numpyro.infer.autoguide import AutoNormal
 
 from bfedjax.models.apply import apply_fn_of, has_batch_stats, needs_train_mode
 from bfedjax.models.zoo import init_params
-from bfedjax.vi.flipout import flipout_apply
+from bfedjax.vi.layer_noise import flipout_apply, local_reparameterization_apply
 
 NET = "net"
 STATE = f"{NET}$state"
-GRADIENT_ESTIMATORS = ("flipout", "reparameterization")
+GRADIENT_ESTIMATORS = ("flipout", "local_reparameterization", "reparameterization")
 
 
 def _path_name(path: tuple) -> str:
@@ -71,7 +73,10 @@ class MeanFieldConfig:
       learning_rate: Adam step (the paper's 1e-3, fresh state every round).
       gradient_estimator: of the expected log-likelihood: ``"flipout"`` (default: per-example
         sign-flipped kernel noise in every dense and conv layer; variational biases are sampled
-        once per pass) or ``"reparameterization"`` (one weight sample shared by the whole batch).
+        once per pass), ``"local_reparameterization"`` (every dense and conv output unit drawn
+        from its Gaussian given the input, per example; no kernel-sized noise; variational biases
+        sampled once per pass) or ``"reparameterization"`` (one weight sample shared by the whole
+        batch).
     """
 
     prior_scale: float = 10.0
@@ -120,24 +125,28 @@ class MeanFieldVI:
             prior = {name: dist.Normal(flat_loc[path], flat_scale[path]) for name, path in self._sites.items()}
         net = random_flax_module(NET, self.module, prior=prior, input_shape=(1,) + self.input_shape,
                                  mutable=["batch_stats"] if self.stateful else None)
-        if self.config.gradient_estimator == "flipout":
-            net = self._flipout(net)
+        if self.config.gradient_estimator != "reparameterization":
+            net = self._kernel_noise(net)
         logits = net(x, train=True, mask=mask) if self.train_mode else net(x)
         n_batch = jnp.maximum(jnp.sum(mask), 1.0)
         with numpyro.handlers.scale(scale=count / n_batch), numpyro.handlers.mask(mask=mask > 0):
             numpyro.sample("y", dist.Categorical(logits=logits), obs=y)
 
-    def _flipout(self, net):
-        """``net`` (from ``random_flax_module``: one weight sample per variational leaf) with Flipout.
+    def _kernel_noise(self, net):
+        """``net`` (from ``random_flax_module``: one weight sample per variational leaf) with Flipout or
+        local reparameterisation on its variational kernels (``vi.layer_noise``).
 
-        The kernels are swapped for their guide means; each sampled kernel minus
-        its mean is the layer's shared noise ``sigma * eps`` (no gradient to the mean
-        through it), applied with per-example sign flips. Biases keep their sample.
-        Outside SVI (the guide's prototype pass, which only records the sample
+        The kernels are swapped for their guide means. Flipout: each sampled kernel
+        minus its mean is the layer's shared noise ``sigma * eps`` (no gradient to the
+        mean through it), applied with per-example sign flips. Local
+        reparameterisation: the guide's scale ``sigma`` gives each output unit's
+        variance, and the kernel samples go unused (XLA drops them). Biases keep their
+        sample. Outside SVI (the guide's prototype pass, which only records the sample
         sites, has no guide means yet) ``net`` is returned as is.
         """
+        flipout = self.config.gradient_estimator == "flipout"
         sampled = traverse_util.flatten_dict(net.args[0])
-        noise = {}
+        per_layer = {}
         for name, wire_path in self._sites.items():
             path = wire_path[len(self._prefix):]  # inside the Flax params
             if path[-1] != "kernel":
@@ -145,13 +154,14 @@ class MeanFieldVI:
             mean = numpyro.param(f"{NET}/{name}_auto_loc")
             if mean is None:
                 return net
-            noise[path[:-1]] = sampled[path] - mean
+            per_layer[path[:-1]] = sampled[path] - mean if flipout else numpyro.param(f"{NET}/{name}_auto_scale")
             sampled[path] = mean
         key = numpyro.prng_key()
         if key is None:
             return net
         means = traverse_util.unflatten_dict(sampled)
-        return functools.partial(flipout_apply, functools.partial(net.func, means, **net.keywords), noise, key)
+        apply = flipout_apply if flipout else local_reparameterization_apply
+        return functools.partial(apply, functools.partial(net.func, means, **net.keywords), per_layer, key)
 
     # -- conversions between SVI params and wire posteriors -----------------------------------
 

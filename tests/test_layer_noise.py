@@ -1,4 +1,5 @@
-"""Flipout: per-example moments equal to independent weight samples, lower-variance gradients."""
+"""Flipout and local reparameterisation: per-example moments equal to independent weight samples,
+lower-variance gradients."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -7,17 +8,19 @@ import pytest
 
 import bfedjax as bf
 from bfedjax.vi import MeanFieldConfig, MeanFieldVI
-from bfedjax.vi.flipout import flipout_apply
+from bfedjax.vi.layer_noise import flipout_apply, local_reparameterization_apply
 
 
-def _layer_moments(layer, x, samples=4000):
-    """MC mean/var of Flipout outputs, and the analytic ones of independent N(mu, sigma^2) kernels."""
+def _layer_moments(layer, x, estimator, samples=4000):
+    """MC mean/var of the estimator's outputs, and the analytic ones of independent N(mu, sigma^2) kernels."""
     params = layer.init(jax.random.PRNGKey(0), x)["params"]
     sigma = 0.3 * jax.random.uniform(jax.random.PRNGKey(1), params["kernel"].shape)
     path = ()  # a top-level layer has the empty module path
 
     def one(key):
         k_eps, k_flip = jax.random.split(key)
+        if estimator == "local_reparameterization":
+            return local_reparameterization_apply(lambda: layer.apply({"params": params}, x), {path: sigma}, key)
         delta = sigma * jax.random.normal(k_eps, sigma.shape)
         return flipout_apply(lambda: layer.apply({"params": params}, x), {path: delta}, k_flip)
 
@@ -28,10 +31,11 @@ def _layer_moments(layer, x, samples=4000):
     return out, mean, var
 
 
+@pytest.mark.parametrize("estimator", ["flipout", "local_reparameterization"])
 @pytest.mark.parametrize("layer,shape", [(nn.Dense(5), (3, 7)), (nn.Conv(4, (3, 3)), (2, 6, 6, 2))])
-def test_flipout_outputs_have_the_moments_of_independent_samples(layer, shape):
+def test_outputs_have_the_moments_of_independent_samples(layer, shape, estimator):
     x = jax.random.normal(jax.random.PRNGKey(3), shape)
-    out, mean, var = _layer_moments(layer, x)
+    out, mean, var = _layer_moments(layer, x, estimator)
     np.testing.assert_allclose(out.mean(0), mean, atol=4 * np.sqrt(float(var.max()) / out.shape[0]))
     np.testing.assert_allclose(out.var(0), var, rtol=0.15, atol=1e-4)
 
@@ -46,6 +50,25 @@ def test_flipout_gives_each_example_its_own_perturbation():
     zero = flipout_apply(lambda: layer.apply({"params": params}, x), {(): jnp.zeros_like(delta)},
                          jax.random.PRNGKey(2))
     np.testing.assert_allclose(zero, layer.apply({"params": params}, x), rtol=1e-6)
+
+
+def test_local_reparameterization_noise_is_zero_with_a_zero_gradient_where_the_input_is():
+    layer = nn.Dense(4)
+    x = jnp.zeros((2, 3)).at[1].set(1.0)  # example 0 has no input, so its outputs have no variance
+    params = layer.init(jax.random.PRNGKey(0), x)["params"]
+    sigma = jnp.full(params["kernel"].shape, 0.5)
+
+    def out(sigma):
+        return local_reparameterization_apply(lambda: layer.apply({"params": params}, x), {(): sigma},
+                                              jax.random.PRNGKey(2))
+
+    np.testing.assert_array_equal(out(sigma)[0], params["bias"])
+    assert not np.allclose(out(sigma)[1], layer.apply({"params": params}, x)[1])
+    grad = jax.grad(lambda s: jnp.sum(out(s)))(sigma)
+    assert np.isfinite(np.asarray(grad)).all()
+    # y_1j = mean_1j + sqrt(sum_i sigma_ij^2) eps_j: d/dsigma_ij = sigma_ij eps_j / sqrt(sum_i sigma_ij^2)
+    eps = (out(sigma)[1] - layer.apply({"params": params}, x)[1]) / jnp.sqrt(3 * 0.25)
+    np.testing.assert_allclose(grad, jnp.broadcast_to(0.5 * eps / jnp.sqrt(0.75), grad.shape), rtol=1e-5)
 
 
 def _loc_gradients(vi, x, y, keys):
@@ -67,12 +90,13 @@ def test_flipout_lowers_the_gradient_variance(digits):
     x, y = jnp.asarray(digits.x_train[:64]), jnp.asarray(digits.y_train[:64])
     keys = jax.random.split(jax.random.PRNGKey(5), 64)
     spread = {}
-    for estimator in ("flipout", "reparameterization"):
+    for estimator in ("flipout", "local_reparameterization", "reparameterization"):
         vi = MeanFieldVI(model, digits.x_train.shape[1:], MeanFieldConfig(init_scale=0.2, gradient_estimator=estimator))
         grads = _loc_gradients(vi, x, y, keys)
         assert np.isfinite(np.asarray(grads)).all()
         spread[estimator] = float(grads.var(0).sum())
     assert spread["flipout"] < 0.5 * spread["reparameterization"], spread
+    assert spread["local_reparameterization"] < 0.5 * spread["reparameterization"], spread
 
 
 class _TinyCNN(nn.Module):
