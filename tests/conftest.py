@@ -2,7 +2,7 @@
 import os
 
 # XLA:CPU compile time dominates this suite (small data, many distinct round programs): LLVM at -O0 without its
-# expensive passes compiles 2-3x faster (CPU time of tests/test_hbfl.py 3m40s -> 1m47s, of test_flipout +
+# expensive passes compiles 2-3x faster (CPU time of tests/test_hbfl.py 3m40s -> 1m47s, of the Flipout tests +
 # test_bfl + test_models 4m42s -> 1m44s), and the tests' few training steps barely feel the slower kernels. The
 # programs and their float results are the same; benchmarks and binaries keep the default optimisation.
 # Set before JAX starts a backend and inherited by the binaries and notebooks the tests start.

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import bfedjax as bf
-from bfedjax.vi import MeanFieldConfig, MeanFieldVI
+from bfedjax.vi import MeanFieldConfig, MeanFieldVI, meanfield
 from bfedjax.vi.layer_noise import flipout_apply, local_reparameterization_apply
 
 
@@ -52,6 +52,33 @@ def test_flipout_gives_each_example_its_own_perturbation():
     np.testing.assert_allclose(zero, layer.apply({"params": params}, x), rtol=1e-6)
 
 
+def test_local_reparameterization_draws_noise_per_example_and_position():
+    layer = nn.Conv(3, (1, 1))
+    x = jnp.ones((2, 2, 2, 1))  # two identical examples of four identical pixels
+    params = layer.init(jax.random.PRNGKey(0), x)["params"]
+    sigma = jnp.full(params["kernel"].shape, 0.5)
+    noise = local_reparameterization_apply(lambda: layer.apply({"params": params}, x), {(): sigma},
+                                           jax.random.PRNGKey(2)) - layer.apply({"params": params}, x)
+    assert len(np.unique(np.asarray(noise).round(6))) == noise.size  # every example, pixel and unit its own
+
+
+def test_mean_field_passes_the_posterior_scale_to_local_reparameterization(digits, monkeypatch):
+    seen = []
+    real = meanfield.local_reparameterization_apply
+    monkeypatch.setattr(meanfield, "local_reparameterization_apply",
+                        lambda apply, scales, key, *a, **k: seen.append(scales) or real(apply, scales, key, *a, **k))
+    model = bf.models.get_model("mlp", 10, hidden=(8,))
+    vi = MeanFieldVI(model, digits.x_train.shape[1:], MeanFieldConfig(gradient_estimator="local_reparameterization"))
+    x, y = jnp.asarray(digits.x_train[:4]), jnp.asarray(digits.y_train[:4])
+    key = jax.random.PRNGKey(0)
+    posterior = vi.init_posterior(key)
+    posterior["scale"]["Dense_0"]["kernel"] = jnp.full((64, 8), 0.3)
+    state = vi.init_svi_state(key, x, y, jnp.float32(4), posterior)
+    vi.svi.loss.loss(key, vi.svi.get_params(state), vi.svi.model, vi.svi.guide, x, y, jnp.ones(4), jnp.float32(4))
+    np.testing.assert_allclose(seen[-1][("Dense_0",)], 0.3, rtol=1e-6)  # sigma itself, constrained
+    np.testing.assert_allclose(seen[-1][("Dense_1",)], MeanFieldConfig.init_scale, rtol=1e-6)
+
+
 def test_local_reparameterization_noise_is_zero_with_a_zero_gradient_where_the_input_is():
     layer = nn.Dense(4)
     x = jnp.zeros((2, 3)).at[1].set(1.0)  # example 0 has no input, so its outputs have no variance
@@ -85,7 +112,7 @@ def _loc_gradients(vi, x, y, keys):
     return jax.jit(jax.vmap(jax.grad(loss), (None, 0)))(params[name], keys)
 
 
-def test_flipout_lowers_the_gradient_variance(digits):
+def test_flipout_and_local_reparameterization_lower_the_gradient_variance(digits):
     model = bf.models.get_model("mlp", 10, hidden=(32,))
     x, y = jnp.asarray(digits.x_train[:64]), jnp.asarray(digits.y_train[:64])
     keys = jax.random.split(jax.random.PRNGKey(5), 64)
@@ -97,6 +124,7 @@ def test_flipout_lowers_the_gradient_variance(digits):
         spread[estimator] = float(grads.var(0).sum())
     assert spread["flipout"] < 0.5 * spread["reparameterization"], spread
     assert spread["local_reparameterization"] < 0.5 * spread["reparameterization"], spread
+    assert spread["local_reparameterization"] < spread["flipout"], spread  # no kernel noise shared by the batch
 
 
 class _TinyCNN(nn.Module):
@@ -106,10 +134,12 @@ class _TinyCNN(nn.Module):
         return nn.Dense(10)(x.reshape(x.shape[0], -1))
 
 
-def test_estimator_option_and_conv_model(small_fed):
+@pytest.mark.parametrize("estimator", ["flipout", "local_reparameterization"])
+def test_estimator_option_and_conv_model(small_fed, estimator):
     with pytest.raises(ValueError, match="gradient_estimator"):
         MeanFieldConfig(gradient_estimator="local")
-    # a variational CNN (conv and dense Flipout layers) trains in the vmapped round
-    result = bf.simulate(bf.algorithms.bfl(_TinyCNN(), small_fed.input_shape, lr=3e-2, batch_size=32), small_fed,
-                         rounds=2, key=jax.random.PRNGKey(0), evaluate_local=False)
+    # a variational CNN (conv and dense layers with the estimator) trains in the vmapped round
+    algorithm = bf.algorithms.bfl(_TinyCNN(), small_fed.input_shape, lr=3e-2, batch_size=32,
+                                  gradient_estimator=estimator)
+    result = bf.simulate(algorithm, small_fed, rounds=2, key=jax.random.PRNGKey(0), evaluate_local=False)
     assert result.metrics["global_accuracy"][-1] > 0.3

@@ -85,7 +85,7 @@ def test_fedavg_train_mode_models_vmap_matches_sequential(model, tiny_fed):
 def test_variational_resnet_kernels_only_and_parity(tiny_fed):
     lr = 1e-3
     # plain reparameterisation: the parity and the kernels-only posterior do not depend on the estimator
-    # (test_flipout covers Flipout), and it compiles in a fraction of Flipout's time
+    # (test_layer_noise covers Flipout and local reparameterisation), and it compiles in a fraction of Flipout's time
     algo = bf.algorithms.bfl(SMALL, tiny_fed.input_shape, rule="wc", lr=lr, batch_size=32,
                              gradient_estimator="reparameterization")
     vi = bf.vi.MeanFieldVI(SMALL, tiny_fed.input_shape)

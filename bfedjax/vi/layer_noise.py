@@ -25,9 +25,11 @@ the means and its bias, ``layer_no_bias(x; k)`` the same layer with kernel
       y = layer(x) + sqrt(layer_no_bias(x^2; sigma^2)) * eps,   eps ~ N(0, 1) of y's shape,
 
   independent per example, position and unit. The marginals are those of
-  independent weight samples (conv outputs at different positions lose their
-  correlation), no kernel-sized noise is drawn, and the gradient variance is
-  lower still. Where ``layer_no_bias(x^2; sigma^2)`` is 0 (an all-zero
+  independent weight samples. For dense layers the estimate of the expected
+  log-likelihood is unbiased, as Flipout's; a convolution's outputs at
+  different positions lose their correlation, so for convolutional models it
+  estimates a close but different objective. No kernel-sized noise is drawn,
+  and the gradient variance is lower still (tested on an MLP). Where ``layer_no_bias(x^2; sigma^2)`` is 0 (an all-zero
   receptive field) the noise and its gradient are 0.
 """
 from __future__ import annotations
@@ -86,11 +88,13 @@ def _noisy_layers(per_layer: dict, key, noise: Callable):
 
 
 def _flipout_noise(bare, x, mean, delta, key):
+    """``bare(x * s_in, delta) * s_out`` for ``x [B, ..., C_in]``, ``mean [B, ..., C_out]``, ``delta`` kernel-shaped."""
     key_in, key_out = jax.random.split(key)
     return bare(x * _signs(key_in, x), delta) * _signs(key_out, mean)
 
 
 def _local_reparameterization_noise(bare, x, mean, sigma, key):
+    """``sqrt(bare(x^2, sigma^2)) * eps`` with ``eps ~ N(0, 1)`` of ``mean``'s shape ``[B, ..., C_out]``."""
     std = _sqrt_or_zero(bare(jnp.square(x), jnp.square(sigma)))
     return std * jax.random.normal(key, mean.shape, mean.dtype)
 

@@ -154,7 +154,7 @@ class MeanFieldVI:
             mean = numpyro.param(f"{NET}/{name}_auto_loc")
             if mean is None:
                 return net
-            per_layer[path[:-1]] = sampled[path] - mean if flipout else numpyro.param(f"{NET}/{name}_auto_scale")
+            per_layer[path[:-1]] = (sampled[path] - mean) if flipout else numpyro.param(f"{NET}/{name}_auto_scale")
             sampled[path] = mean
         key = numpyro.prng_key()
         if key is None:
