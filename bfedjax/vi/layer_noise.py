@@ -29,8 +29,9 @@ the means and its bias, ``layer_no_bias(x; k)`` the same layer with kernel
   log-likelihood is unbiased, as Flipout's; a convolution's outputs at
   different positions lose their correlation, so for convolutional models it
   estimates a close but different objective. No kernel-sized noise is drawn,
-  and the gradient variance is lower still (tested on an MLP). Where ``layer_no_bias(x^2; sigma^2)`` is 0 (an all-zero
-  receptive field) the noise and its gradient are 0.
+  and the gradient variance is lower still (tested on an MLP). Where
+  ``layer_no_bias(x^2; sigma^2)`` is 0 (an all-zero receptive field) the noise
+  and its gradient are 0.
 """
 from __future__ import annotations
 
