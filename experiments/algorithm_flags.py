@@ -82,6 +82,10 @@ OPTION_FLAGS = {
     "fedref_warmup": ("warmup", ("fedref",)),
     "fedref_loss_report": ("loss_report", ("fedref",)),
     "fedref_loss_term": ("loss_term", ("fedref",)),
+    "fedref_lambda_ref": ("lam_ref", ("fedref",)),
+    "fedref_lambda_ref_growth": ("lam_ref_growth", ("fedref",)),
+    "fedref_lambda_ref_every": ("lam_ref_every", ("fedref",)),
+    "fedref_lambda_ref_cap": ("lam_ref_cap", ("fedref",)),
     "fedreg_gamma": ("gamma", ("fedreg",)),
     "eta_s": ("eta_s", ("fedreg",)),
     "eta_p": ("eta_p", ("fedreg",)),
@@ -195,11 +199,19 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> None:
             "(default True: fixed).")
     boolean("fedref_ref_through_a", "fedref --fedref_variant=l2: differentiate the reference through A_r too.")
     enum("fedref_reference", REFERENCES, "fedref: reference model (default mean of the last p aggregates, Eq. 14; "
-         "p_plus_one: Eq. 13; broadcast: of the corrected models).")
+         "p_plus_one: Eq. 13; broadcast: of the corrected models; weighted: the authors' later static slot "
+         "weights 1..p).")
     number(flags.DEFINE_integer, "fedref_warmup", "fedref: rounds that broadcast the plain aggregate (default p+1, "
            "as the authors' code; 0 corrects from round 1).")
     enum("fedref_loss_report", LOSS_REPORTS, "fedref: the loss clients report (code: a pass over their data after "
          "training, default; last_batch: the paper's last training batch).")
+    number(flags.DEFINE_float, "fedref_lambda_ref", "fedref: lambda_2, the reference term's weight (the authors' "
+           "later --lda2; default --fedref_lambda).")
+    number(flags.DEFINE_float, "fedref_lambda_ref_growth", "fedref: multiply lambda_2 by this every "
+           "--fedref_lambda_ref_every rounds (the authors' later sigmaw = 10; default 1, constant).")
+    number(flags.DEFINE_integer, "fedref_lambda_ref_every", "fedref: rounds between lambda_2's steps (sigmar; "
+           "default 10).")
+    number(flags.DEFINE_float, "fedref_lambda_ref_cap", "fedref: lambda_2's cap (toplda2 = 0.005; default none).")
     enum("fedref_loss_term", LOSS_TERMS, "fedref --fedref_variant=code: the loss term s (code, default) or only "
          "log the weighted loss sum (weighted_sum).")
     flags.DEFINE_enum("server_optimizer", "none", ("none",) + SERVER_OPTIMIZERS, "Server optimiser on the "

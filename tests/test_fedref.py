@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import bfedjax as bf
-from bfedjax.algorithms.fedref import mean_batch_loss
+from bfedjax.algorithms.fedref import mean_batch_loss, ref_lambda_at
 from bfedjax.core.engine import RoundArrays, RoundConfig, with_round_subsets
 
 MODEL = bf.models.get_model("logistic", 3)
@@ -66,23 +66,59 @@ def test_rounds_up_to_p_plus_one_broadcast_the_aggregate(variant):
     assert not np.allclose(_flat(out[p + 1][0]["params"]), _flat(AGGS[p + 1]), atol=1e-4)
 
 
-@pytest.mark.parametrize("fix_ref_delta", [True, False])
-def test_code_variant_is_a_per_tensor_scalar_shift(fix_ref_delta):
+def _weighted_ref(p, r, reference="mean", aggs=AGGS):
+    """R after 0-based round ``r``: the buffer's aggregates (rounds ``r-p+1..r``, 1-based ``j``) weighted
+    uniformly or, ``"weighted"``, by the FedRef code's slot weights ``1 + (j mod p)``."""
+    js = range(r - p + 2, r + 2)
+    w = np.array([1.0 + j % p if reference == "weighted" else 1.0 for j in js])
+    return jax.tree.map(lambda *a: sum(wi * ai for wi, ai in zip(w / w.sum(), a)), *aggs[r - p + 1: r + 1])
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_weighted_reference_uses_the_codes_static_slot_weights(p):
+    out = _run_server(_fedref(variant="map_prox", lam=0.0, p=p, reference="weighted"), AGGS)
+    for r in range(p, len(AGGS)):
+        chex.assert_trees_all_close(out[r][0]["fedref"]["prev_ref"], _weighted_ref(p, r, "weighted"), atol=1e-6)
+    # the weights are not uniform, so the reference differs from Eq. 14's mean
+    assert not np.allclose(_flat(out[-1][0]["fedref"]["prev_ref"]), _flat(_weighted_ref(p, len(AGGS) - 1)), atol=1e-4)
+
+
+def test_lambda_2_schedule_follows_the_codes_in_place_update():
+    def authors(lam2, rounds, growth=10.0, every=10, cap=0.005):  # the code mutates lambda_2 each round
+        seen = []
+        for r in range(1, rounds + 1):
+            if r % every == 0:
+                lam2 = min(lam2 * growth, cap)
+            seen.append(lam2)
+        return seen
+    rounds = jnp.arange(1, 46)
+    for lam2 in (1e-6, 1e-4, 0.1):  # the README example, one that reaches the cap, one above it
+        got = jax.vmap(lambda r: ref_lambda_at(jnp.float32(lam2), r, 10.0, 10, 0.005))(rounds)
+        np.testing.assert_allclose(got, authors(lam2, 45), rtol=1e-5)
+    assert ref_lambda_at(0.3, jnp.int32(40), 1.0, 10, 0.005) == 0.3  # growth 1: constant, the cap unused
+
+
+@pytest.mark.parametrize("fix_ref_delta,reference,lam_ref", [(True, "mean", None), (False, "mean", None),
+                                                              (True, "mean", 0.05), (False, "weighted", 0.05)])
+def test_code_variant_is_a_per_tensor_scalar_shift(fix_ref_delta, reference, lam_ref):
     p, lam, lr = 2, 0.3, 0.1
     losses = [[1.0, 2.0, 3.0], [0.5, 1.0, 2.0], [0.4, 0.4, 0.4], [0.9, 0.1, 0.2], [0.3, 0.3, 0.3]]
-    out = _run_server(_fedref(variant="code", lam=lam, p=p, fix_ref_delta=fix_ref_delta), AGGS[:5], losses, lr=lr)
-    r = 4  # a corrected round: A_r = AGGS[4], A_{r-1} = AGGS[3], R_r = mean(AGGS[3:5]), R_{r-1} = mean(AGGS[2:4])
+    algo = _fedref(variant="code", lam=lam, p=p, fix_ref_delta=fix_ref_delta, reference=reference, lam_ref=lam_ref)
+    out = _run_server(algo, AGGS[:5], losses, lr=lr)
+    r = 4  # a corrected round: A_r = AGGS[4], A_{r-1} = AGGS[3], R_r over AGGS[3:5], R_{r-1} over AGGS[2:4]
     s = (sum(losses[r]) - sum(losses[r - 1])) / C
-    ref = jax.tree.map(lambda a, b: (a + b) / 2, AGGS[3], AGGS[4])
-    prev_ref = jax.tree.map(lambda a, b: (a + b) / 2, AGGS[2], AGGS[3])
+    ref, prev_ref = _weighted_ref(p, r, reference), _weighted_ref(p, r - 1, reference)
+    lam2 = lam if lam_ref is None else lam_ref
     for path, theta in jax.tree_util.tree_leaves_with_path(out[r][0]["params"]):
         get = lambda tree: np.asarray(dict(jax.tree_util.tree_leaves_with_path(tree))[path])
         a, a_prev, rr, rr_prev = get(AGGS[4]), get(AGGS[3]), get(ref), get(prev_ref)
-        # PyTorch's axis 0 (output units) is the last axis of a Flax kernel
-        d_ref = rr - rr_prev if fix_ref_delta else rr - rr_prev.sum(axis=-1, keepdims=True) / p
+        # PyTorch's axis 0 (output units) is the last axis of a Flax kernel; the later commits' weighted
+        # reference is already normalised, so their bug sums without dividing by p
+        d_ref = rr - rr_prev if fix_ref_delta else rr - rr_prev.sum(axis=-1, keepdims=True) / (
+            1 if reference == "weighted" else p)
         shift = np.asarray(theta) - a
         np.testing.assert_allclose(shift, np.full_like(a, shift.flat[0]), atol=1e-6)
-        expected = -lr * (s + lam * np.linalg.norm(a - a_prev) + lam * np.linalg.norm(d_ref))
+        expected = -lr * (s + lam * np.linalg.norm(a - a_prev) + lam2 * np.linalg.norm(d_ref))
         np.testing.assert_allclose(shift.flat[0], expected, rtol=1e-4, atol=1e-6)
     assert out[r][1]["fedref_shift"] == pytest.approx(s, rel=1e-5)
 
@@ -99,23 +135,32 @@ def test_code_variant_limits():
     assert logged[-1][1]["weighted_loss"] == pytest.approx(0.4)
 
 
-@pytest.mark.parametrize("through", [False, True])
-def test_l2_variant_is_one_gradient_step_of_eq12(through):
+@pytest.mark.parametrize("through,reference,lam_ref", [(False, "mean", None), (True, "mean", None),
+                                                        (True, "p_plus_one", 0.5), (True, "weighted", 0.5)])
+def test_l2_variant_is_one_gradient_step_of_eq12(through, reference, lam_ref):
     p, lam, lr = 3, 0.2, 0.1
-    out = _run_server(_fedref(variant="l2", lam=lam, p=p, ref_through_A=through), AGGS[:6], lr=lr)
-    a_prev, older = AGGS[4], AGGS[3:5]
-    prev_ref = jax.tree.map(lambda *a: sum(a) / p, *AGGS[2:5])
+    algo = _fedref(variant="l2", lam=lam, p=p, ref_through_A=through, reference=reference, lam_ref=lam_ref)
+    out = _run_server(algo, AGGS[:6], lr=lr)
+    window = p + 1 if reference == "p_plus_one" else p
+    a_prev, older = AGGS[4], AGGS[6 - window:5]
+    js = np.arange(7 - window, 7)  # 1-based rounds in the buffer, the current one last
+    w = 1.0 + js % p if reference == "weighted" else np.ones(window)
+    w = w / w.sum()
+    prev_w = 1.0 + (js - 1) % p if reference == "weighted" else np.ones(window)
+    prev_ref = jax.tree.map(lambda *a: sum(wi * ai for wi, ai in zip(prev_w / prev_w.sum(), a)),
+                            *AGGS[5 - window:5])
 
     def objective(theta):
         value = lam * optax.tree.norm(jax.tree.map(jnp.subtract, theta, a_prev), squared=True)
-        if through:
-            ref = jax.tree.map(lambda t, *o: (t + sum(o)) / p, theta, *older)
-            value += lam * optax.tree.norm(jax.tree.map(jnp.subtract, ref, prev_ref), squared=True)
+        if through:  # R_r depends on A_r = theta with its weight in the reference
+            ref = jax.tree.map(lambda t, *o: sum(wi * oi for wi, oi in zip(w, o)) + w[-1] * t, theta, *older)
+            value += (lam if lam_ref is None else lam_ref) * optax.tree.norm(
+                jax.tree.map(jnp.subtract, ref, prev_ref), squared=True)
         return value
 
     grad = jax.grad(objective)(AGGS[5])
     chex.assert_trees_all_close(out[5][0]["params"], jax.tree.map(lambda a, g: a - lr * g, AGGS[5], grad), atol=1e-6)
-    still = _run_server(_fedref(variant="l2", lam=lam, p=p, ref_through_A=through), [AGGS[0]] * 6)
+    still = _run_server(algo, [AGGS[0]] * 6)
     chex.assert_trees_all_close(still[-1][0]["params"], AGGS[0], atol=1e-7)
 
 
@@ -138,6 +183,22 @@ def test_map_variants_pull_toward_the_reference():
     chex.assert_trees_all_close(none, agg, atol=1e-7)
     strong = _run_server(_fedref(variant="map_prox", lam=1e6, p=p), AGGS[:5])[-1][0]["params"]
     chex.assert_trees_all_close(strong, ref, atol=1e-5)
+    # lambda_2 is the prior's weight: with lam_ref given, lam (lambda_1, no A term here) does not matter
+    split = _run_server(_fedref(variant="map_prox", lam=0.0, lam_ref=lam, p=p), AGGS[:5], lr=lr)[-1][0]["params"]
+    chex.assert_trees_all_close(split, prox, atol=1e-7)
+
+
+def test_lambda_2_schedule_reaches_the_server_step():
+    p, lam2 = 2, 0.01
+    algo = _fedref(variant="map_prox", lam=0.0, lam_ref=lam2, p=p, lam_ref_growth=10.0, lam_ref_every=5,
+                   lam_ref_cap=0.5)
+    out = _run_server(algo, AGGS[:7], lr=1.0)
+    assert [float(m["fedref_lambda_ref"]) for _, m in out] == pytest.approx([0.01] * 4 + [0.1] * 3)
+    for r in (3, 6):  # corrected rounds before and after the step up: theta = (A + 2 eta lam2 R) / (1 + 2 eta lam2)
+        rho = 2 * float(out[r][1]["fedref_lambda_ref"])
+        ref = _weighted_ref(p, r)
+        expected = jax.tree.map(lambda a, b: (a + rho * b) / (1 + rho), AGGS[r], ref)
+        chex.assert_trees_all_close(out[r][0]["params"], expected, atol=1e-6)
 
 
 def test_client_loss_reports():

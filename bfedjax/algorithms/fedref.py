@@ -23,7 +23,15 @@ per-tensor scalar shift instead, so the correction has variants (spec 2.4;
 Rounds ``1..warmup`` (default ``p + 1``, as the code) broadcast ``A_r``. The
 ring buffer holds the uncorrected aggregates (``reference="mean"``), or the last
 ``p + 1`` of them (``"p_plus_one"``, Eq. 13), or the corrected broadcasts
-(``"broadcast"``). Clients report their loss after training as the code does
+(``"broadcast"``); ``"weighted"`` is the authors' later commits: the aggregates in
+the buffer weighted by static weights ``1..p`` over the buffer's slots, so the
+aggregate of round ``j`` weighs ``1 + (j mod p)`` (``reference_weights``).
+
+The later commits also split lambda: ``lam`` (lambda_1) weighs the aggregate's own
+change and ``lam_ref`` (lambda_2, default ``lam``) the reference term of every variant
+(``code``'s ``||dR||``, ``l2``'s ``ref_through_A`` term, the ``map`` pull), and grow
+lambda_2 by ``lam_ref_growth`` every ``lam_ref_every`` rounds up to ``lam_ref_cap``
+(``ref_lambda_at``; the authors: 10, 10 and 0.005). Clients report their loss after training as the code does
 (``loss_report="code"``: the mean over their own minibatches of the batch-mean
 loss of the trained model) or as the paper says (``"last_batch"``: the loss of
 their last training batch). ``p`` is static; ``lam`` and ``eta`` are traced
@@ -41,7 +49,7 @@ from bfedjax.metrics.classification import padded_batches
 from bfedjax.tasks import classification
 
 VARIANTS = ("code", "l2", "map_step", "map_prox")
-REFERENCES = ("mean", "p_plus_one", "broadcast")
+REFERENCES = ("mean", "p_plus_one", "broadcast", "weighted")
 LOSS_REPORTS = ("code", "last_batch")
 LOSS_TERMS = ("code", "weighted_sum")
 STATE_KEY = "fedref"
@@ -60,52 +68,93 @@ def mean_batch_loss(loss_fn, params, x, y, count, batch_size: int) -> jax.Array:
     return jnp.sum(jnp.where(real, losses, 0.0)) / jnp.maximum(jnp.sum(real), 1)
 
 
-def code_shift(agg, prev_agg, ref, prev_ref, s, lam, eta, p: int, fix_ref_delta: bool):
-    """The authors' per-tensor scalar shift: ``A_l - eta (s + lam ||dA_l|| + lam ||dR_l||)`` for every leaf."""
+def code_shift(agg, prev_agg, ref, prev_ref, s, lam, lam_ref, eta, bug_divisor: float, fix_ref_delta: bool):
+    """The authors' per-tensor scalar shift: ``A_l - eta (s + lam ||dA_l|| + lam_ref ||dR_l||)`` for every leaf.
+
+    ``fix_ref_delta=False`` takes the code's ``dR_l = R_l - sum_axis(R_{r-1,l}) / bug_divisor``
+    (``p`` for the uniform reference; 1 for the later commits' weighted one).
+    """
     def leaf(a, a_prev, r, r_prev):
-        d_ref = r - r_prev if fix_ref_delta else r - jnp.sum(r_prev, axis=-1, keepdims=True) / p
-        return a - eta * (s + lam * jnp.linalg.norm((a - a_prev).ravel()) + lam * jnp.linalg.norm(d_ref.ravel()))
+        d_ref = r - r_prev if fix_ref_delta else r - jnp.sum(r_prev, axis=-1, keepdims=True) / bug_divisor
+        return a - eta * (s + lam * jnp.linalg.norm((a - a_prev).ravel())
+                          + lam_ref * jnp.linalg.norm(d_ref.ravel()))
     return jax.tree.map(leaf, agg, prev_agg, ref, prev_ref)
 
 
-def corrected(variant: str, agg, prev_agg, ref, prev_ref, s, lam, eta, p: int, fix_ref_delta: bool,
-              ref_through_A: bool):
-    """``theta_r`` of one variant from ``A_r``, ``A_{r-1}``, ``R_r``, ``R_{r-1}`` (pytrees) and scalars."""
-    rho = 2.0 * eta * lam
+def corrected(variant: str, agg, prev_agg, ref, prev_ref, s, lam, lam_ref, eta, ref_share, bug_divisor: float,
+              fix_ref_delta: bool, ref_through_A: bool):
+    """``theta_r`` of one variant from ``A_r``, ``A_{r-1}``, ``R_r``, ``R_{r-1}`` (pytrees) and scalars.
+
+    ``lam`` weighs the aggregate's change, ``lam_ref`` the reference term; ``ref_share`` is ``A_r``'s
+    weight in ``R_r`` (``dR_r / dA_r``, ``1/p`` for a full uniform buffer: ``l2`` with ``ref_through_A``).
+    """
+    rho, rho_ref = 2.0 * eta * lam, 2.0 * eta * lam_ref
     if variant == "code":
-        return code_shift(agg, prev_agg, ref, prev_ref, s, lam, eta, p, fix_ref_delta)
+        return code_shift(agg, prev_agg, ref, prev_ref, s, lam, lam_ref, eta, bug_divisor, fix_ref_delta)
     if variant == "l2":
-        extra = (lambda r, rp: (r - rp) / p) if ref_through_A else (lambda r, rp: 0.0)
-        return jax.tree.map(lambda a, ap, r, rp: a - rho * ((a - ap) + extra(r, rp)), agg, prev_agg, ref, prev_ref)
+        extra = (lambda r, rp: rho_ref * ref_share * (r - rp)) if ref_through_A else (lambda r, rp: 0.0)
+        return jax.tree.map(lambda a, ap, r, rp: a - rho * (a - ap) - extra(r, rp), agg, prev_agg, ref, prev_ref)
     if variant == "map_step":
-        return jax.tree.map(lambda a, r: a - rho * (a - r), agg, ref)
-    return jax.tree.map(lambda a, r: (a + rho * r) / (1.0 + rho), agg, ref)
+        return jax.tree.map(lambda a, r: a - rho_ref * (a - r), agg, ref)
+    return jax.tree.map(lambda a, r: (a + rho_ref * r) / (1.0 + rho_ref), agg, ref)
+
+
+def reference_weights(reference: str, slots: int, filled) -> jax.Array:
+    """``[slots]`` weights of the ring buffer's slots in ``R_r`` (summing to 1 over the ``filled`` ones).
+
+    Uniform, except ``"weighted"`` (the authors' later commits): slot ``q`` weighs ``1 + ((q + 1) mod slots)``,
+    the code's static weights ``1..p`` over its queue's slots (its first push lands in slot 1 and
+    ours in slot 0), so round ``j``'s aggregate weighs ``1 + (j mod p)``.
+    """
+    slot = jnp.arange(slots)
+    raw = 1.0 + (slot + 1) % slots if reference == "weighted" else jnp.ones(slots)
+    raw = jnp.where(slot < filled, raw, 0.0).astype(jnp.float32)
+    return raw / jnp.sum(raw)
+
+
+def ref_lambda_at(lam_ref, round_, growth: float, every: int, cap: float | None):
+    """lambda_2 in 1-based round ``round_``: ``lam_ref`` before round ``every``, then
+    ``lam_ref * growth ** floor(round_ / every)`` capped at ``cap`` (the authors' code multiplies by
+    ``growth`` at the start of every ``every``-th round and caps the product, so a ``lam_ref``
+    above the cap holds until round ``every``)."""
+    if growth == 1.0:
+        return lam_ref
+    grown = lam_ref * jnp.float32(growth) ** (round_ // every).astype(jnp.float32)
+    if cap is not None:
+        grown = jnp.minimum(grown, cap)
+    return jnp.where(round_ < every, lam_ref, grown)
 
 
 def with_reference_model(algorithm: Algorithm, *, loss_fn, variant: str = "code", lam: float = 0.01, p: int = 5,
                          server_lr: float | None = None, fix_ref_delta: bool = True, ref_through_A: bool = False,
                          reference: str = "mean", warmup: int | None = None, loss_report: str = "code",
-                         loss_term: str = "code") -> Algorithm:
+                         loss_term: str = "code", lam_ref: float | None = None, lam_ref_growth: float = 1.0,
+                         lam_ref_every: int = 10, lam_ref_cap: float | None = None) -> Algorithm:
     """FedRef's server update on top of any algorithm whose server state holds ``"params"``.
 
     Args:
       algorithm: the local trainer and its aggregation (``A_r`` is its new ``server["params"]``).
       loss_fn: ``(params, Batch) -> scalar`` masked mean training loss (``loss_report="code"``).
       variant: one of ``VARIANTS`` (module docstring).
-      lam: lambda of Eq. 12 (traced ``ref_lambda``).
+      lam: lambda of Eq. 12 (traced ``ref_lambda``); with ``lam_ref``, lambda_1 (the aggregate's change).
       p: reference window (static; the paper: 3 to 5).
       server_lr: eta (traced ``ref_lr``); ``None`` uses the client ``lr`` as the code does.
       fix_ref_delta: ``code`` variant: False reproduces the code's Delta-R bug.
       ref_through_A: ``l2`` variant: differentiate R_r through A_r too.
-      reference: ``"mean"`` (Eq. 14), ``"p_plus_one"`` (Eq. 13) or ``"broadcast"`` (the corrected models).
+      reference: ``"mean"`` (Eq. 14), ``"p_plus_one"`` (Eq. 13), ``"broadcast"`` (the corrected models)
+        or ``"weighted"`` (the later commits' static slot weights, ``reference_weights``).
       warmup: rounds that broadcast ``A_r`` (default ``p + 1``; 0 corrects from round 1 with
         the partial buffer).
       loss_report: ``"code"`` or ``"last_batch"`` (needs a ``local_sgd`` trainer), used by ``code``.
       loss_term: ``"code"`` (``s`` above) or ``"weighted_sum"`` (``s = 0``; ``sum_k w_k F_k`` only logged).
+      lam_ref: lambda_2 of the later commits, the reference term's weight (traced ``ref_lambda_ref``;
+        ``None``: ``lam``).
+      lam_ref_growth, lam_ref_every, lam_ref_cap: lambda_2's schedule (``ref_lambda_at``; growth 1: constant).
     Returns:
       The algorithm with ``server["fedref"]`` (ring buffer ``[P, ...]``, previous aggregate,
       reference and loss sum). Metrics: ``fedref_correction`` ``||theta_r - A_r|| / ||A_r - A_{r-1}||``
-      and, for ``code``, ``fedref_shift`` (``s``) and ``weighted_loss``. The aggregation is not streamed.
+      and, for ``code``, ``fedref_shift`` (``s``) and ``weighted_loss``; ``fedref_lambda_ref`` (lambda_2 this
+      round) when it has a schedule. The aggregation is not streamed.
     """
     for name, value, valid in (("variant", variant, VARIANTS), ("reference", reference, REFERENCES),
                                ("loss_report", loss_report, LOSS_REPORTS), ("loss_term", loss_term, LOSS_TERMS)):
@@ -113,8 +162,11 @@ def with_reference_model(algorithm: Algorithm, *, loss_fn, variant: str = "code"
             raise ValueError(f"fedref {name}={value!r}; choose one of {', '.join(valid)}")
     if int(p) < 1:
         raise ValueError(f"fedref p={p} must be >= 1 (the paper uses 3 to 5)")
-    if lam < 0 or (server_lr is not None and server_lr < 0):
-        raise ValueError(f"fedref needs lam >= 0 and server_lr >= 0, got {lam}, {server_lr}")
+    if lam < 0 or (server_lr is not None and server_lr < 0) or (lam_ref is not None and lam_ref < 0):
+        raise ValueError(f"fedref needs lam, lam_ref and server_lr >= 0, got {lam}, {lam_ref}, {server_lr}")
+    if lam_ref_growth <= 0 or int(lam_ref_every) < 1 or (lam_ref_cap is not None and lam_ref_cap < 0):
+        raise ValueError(f"fedref's lambda_2 schedule needs lam_ref_growth > 0, lam_ref_every >= 1 and lam_ref_cap "
+                         f">= 0, got {lam_ref_growth}, {lam_ref_every}, {lam_ref_cap} (the authors: 10, 10, 0.005)")
     if server_lr is None and "lr" not in algorithm.hparams:
         raise ValueError(f"FedRef's server step size defaults to the client lr, but {algorithm.name} has none; "
                          "fix: pass server_lr")
@@ -122,7 +174,10 @@ def with_reference_model(algorithm: Algorithm, *, loss_fn, variant: str = "code"
     slots = p + 1 if reference == "p_plus_one" else p
     warmup = p + 1 if warmup is None else int(warmup)
     needs_losses = variant == "code"
-    hparams = {**algorithm.hparams, "ref_lambda": lam, **({} if server_lr is None else {"ref_lr": server_lr})}
+    hparams = {**algorithm.hparams, "ref_lambda": lam, **({} if server_lr is None else {"ref_lr": server_lr}),
+               **({} if lam_ref is None else {"ref_lambda_ref": lam_ref})}
+    scheduled = float(lam_ref_growth) != 1.0
+    bug_divisor = 1.0 if reference == "weighted" else float(p)
     inner = algorithm
 
     def server_init(params):
@@ -138,6 +193,9 @@ def with_reference_model(algorithm: Algorithm, *, loss_fn, variant: str = "code"
         return jax.tree.map(lambda buf, a: buf.at[pushed % slots].set(a), ring, model)
 
     def mean_of(ring, filled):
+        if reference == "weighted":
+            weights = reference_weights(reference, slots, filled)
+            return jax.tree.map(lambda buf: jnp.tensordot(weights.astype(buf.dtype), buf, axes=1), ring)
         valid = (jnp.arange(slots) < filled).astype(jnp.float32)
         return jax.tree.map(lambda buf: jnp.tensordot(valid, buf, axes=1) / filled.astype(buf.dtype), ring)
 
@@ -149,7 +207,10 @@ def with_reference_model(algorithm: Algorithm, *, loss_fn, variant: str = "code"
         ring = push(state["ring"], state["pushed"], agg)
         ref = mean_of(ring, filled)
         lam_, eta = hparams_["ref_lambda"], hparams_["ref_lr" if server_lr is not None else "lr"]
-        extra = {}
+        lam_ref_ = ref_lambda_at(hparams_["ref_lambda_ref" if lam_ref is not None else "ref_lambda"], pushed,
+                                 float(lam_ref_growth), int(lam_ref_every), lam_ref_cap)
+        ref_share = reference_weights(reference, slots, filled)[state["pushed"] % slots]
+        extra = {"fedref_lambda_ref": lam_ref_} if scheduled else {}
         s = jnp.zeros((), jnp.float32)
         loss_sum = state["prev_loss"]
         if needs_losses:
@@ -157,9 +218,10 @@ def with_reference_model(algorithm: Algorithm, *, loss_fn, variant: str = "code"
             loss_sum = jnp.sum(losses)
             if loss_term == "code":
                 s = (loss_sum - state["prev_loss"]) / jnp.maximum(jnp.sum(mask), 1.0)
-            extra = {"fedref_shift": jnp.where(pushed <= warmup, 0.0, s), "weighted_loss": jnp.sum(weights * losses)}
-        theta = corrected(variant, agg, state["prev_agg"], ref, state["prev_ref"], s, lam_, eta, p, fix_ref_delta,
-                          ref_through_A)
+            extra = {**extra, "fedref_shift": jnp.where(pushed <= warmup, 0.0, s),
+                     "weighted_loss": jnp.sum(weights * losses)}
+        theta = corrected(variant, agg, state["prev_agg"], ref, state["prev_ref"], s, lam_, lam_ref_, eta, ref_share,
+                          bug_divisor, fix_ref_delta, ref_through_A)
         warm = pushed <= warmup
         theta = jax.tree.map(lambda a, t: jnp.where(warm, a, t), agg, theta)
         if reference == "broadcast":  # the buffer holds what was broadcast
@@ -196,7 +258,8 @@ def with_reference_model(algorithm: Algorithm, *, loss_fn, variant: str = "code"
 
 def fedref(model, *, variant: str = "code", lam: float = 0.01, p: int = 5, server_lr: float | None = None,
            fix_ref_delta: bool = True, ref_through_A: bool = False, reference: str = "mean",
-           warmup: int | None = None, loss_report: str = "code", loss_term: str = "code", lr: float = 0.01,
+           warmup: int | None = None, loss_report: str = "code", loss_term: str = "code", lam_ref: float | None = None,
+           lam_ref_growth: float = 1.0, lam_ref_every: int = 10, lam_ref_cap: float | None = None, lr: float = 0.01,
            local_epochs: int = 1, batch_size: int = 64, clip_norm: float | None = None, momentum: float = 0.0,
            task=None) -> Algorithm:
     """FedRef as the paper ran it: plain local SGD clients (no clipping, no momentum), then the server step.
@@ -209,4 +272,5 @@ def fedref(model, *, variant: str = "code", lam: float = 0.01, p: int = 5, serve
     loss_fn = (task or classification(model)).loss
     return with_reference_model(base, loss_fn=loss_fn, variant=variant, lam=lam, p=p, server_lr=server_lr,
                                 fix_ref_delta=fix_ref_delta, ref_through_A=ref_through_A, reference=reference,
-                                warmup=warmup, loss_report=loss_report, loss_term=loss_term)
+                                warmup=warmup, loss_report=loss_report, loss_term=loss_term, lam_ref=lam_ref,
+                                lam_ref_growth=lam_ref_growth, lam_ref_every=lam_ref_every, lam_ref_cap=lam_ref_cap)
