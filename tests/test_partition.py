@@ -7,6 +7,7 @@ from bfedjax.data.partition import (
     PARTITIONERS,
     class_groups,
     describe,
+    dirichlet_niid_bench,
     dirichlet_per_class,
     dirichlet_per_client,
     iid,
@@ -37,6 +38,7 @@ CASES = {
     "iid": (10, {}),
     "dirichlet_per_class": (10, {"alpha": 0.5}),
     "dirichlet_per_client": (10, {"alpha": 0.5}),
+    "dirichlet_niid_bench": (10, {"alpha": 0.5}),
     "shards": (10, {"classes_per_client": 2}),
     "power_law": (20, {"classes_per_client": 2}),
     "single_class": (50, {"samples_per_client": 24}),
@@ -88,6 +90,44 @@ def test_iid_sizes():
     parts = iid(Y, 7, seed=0)
     sizes = [len(p) for p in parts]
     assert sum(sizes) == M and max(sizes) - min(sizes) <= 1
+
+
+# --------------------------------------------------------------------------
+# dirichlet_niid_bench
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("alpha,labels", [(0.1, Y), (0.5, Y), (5.0, Y), (0.3, _imbalanced_labels())])
+def test_niid_bench_caps_clients_at_the_mean_size_class_by_class(alpha, labels):
+    n = 10
+    parts = dirichlet_niid_bench(labels, n, alpha=alpha, seed=1)
+    _check(parts, len(labels), n)
+    assert sum(len(p) for p in parts) == len(labels)  # every sample goes to a client
+    assert min(len(p) for p in parts) >= 10
+    # replay the classes in increasing order: a client takes samples of class c only while it holds
+    # fewer than m / N samples of the classes before
+    held = np.zeros(n, np.int64)
+    for c in np.unique(labels):
+        got = np.array([np.sum(labels[p] == c) for p in parts])
+        assert np.all(got[held >= len(labels) / n] == 0)
+        held += got
+
+
+def test_niid_bench_sizes_stay_nearer_the_mean_than_the_uncapped_split():
+    spread = lambda parts: np.std([len(p) for p in parts])
+    capped = [spread(dirichlet_niid_bench(Y, 10, alpha=0.1, seed=s)) for s in range(10)]
+    uncapped = [spread(dirichlet_per_class(Y, 10, alpha=0.1, seed=s, empty_rule="resample", min_size=10))
+                for s in range(10)]
+    assert np.mean(capped) < 0.8 * np.mean(uncapped)
+
+
+def test_niid_bench_min_size_redraws_or_fails_in_one_line():
+    parts = dirichlet_niid_bench(Y, 20, alpha=0.05, seed=0, min_size=50)
+    assert min(len(p) for p in parts) >= 50
+    with pytest.raises(ValueError, match="fix: raise alpha"):
+        dirichlet_niid_bench(Y, 50, alpha=0.001, seed=0, min_size=100, max_tries=3)
+    with pytest.raises(ValueError, match="exceeds"):
+        dirichlet_niid_bench(Y, 10, alpha=0.5, seed=0, min_size=M)
 
 
 # --------------------------------------------------------------------------

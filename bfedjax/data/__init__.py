@@ -7,6 +7,7 @@ from bfedjax.data.partition import (
     PARTITIONERS,
     class_groups,
     describe,
+    dirichlet_niid_bench,
     dirichlet_per_class,
     dirichlet_per_client,
     dirichlet_train_test,
@@ -22,6 +23,6 @@ from bfedjax.data.segmentation import institution_parts, load_drive, load_fets, 
 
 __all__ = ["DATASETS", "PIXELS", "Dataset", "DataDirNotFoundError", "DataUnavailableError", "NonFiniteInputsWarning",
            "check_dataset", "available", "holdout", "load", "PARTITIONERS", "class_groups", "describe",
-           "dirichlet_per_class", "dirichlet_per_client", "dirichlet_train_test", "iid", "partition", "power_law", "shards", "single_class",
+           "dirichlet_niid_bench", "dirichlet_per_class", "dirichlet_per_client", "dirichlet_train_test", "iid", "partition", "power_law", "shards", "single_class",
            "FederatedData", "from_partition", "join_tasks", "stack_clients", "AUGMENTATIONS", "augmented", "random_shift_flip",
            "load_drive", "load_fets", "institution_parts", "vessels"]

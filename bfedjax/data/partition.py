@@ -13,6 +13,9 @@ Schemes (see :data:`PARTITIONERS` and :func:`partition`):
                             (FOLA authors' code; sizes vary).
 * ``dirichlet_per_client``  each client draws class proportions ``Dir(alpha p)``
                             (paper / FedMA / Hsu et al. form; equal sizes).
+* ``dirichlet_niid_bench``  each class split by ``Dir(alpha)`` over the clients still
+                            below ``m / N`` samples (NIID-Bench, Li et al. 2022;
+                            Fischer et al.'s sampler; sizes near ``m / N``).
 * ``shards``                sort by label, cut into single-class shards, each
                             client gets ``classes_per_client`` distinct classes.
 * ``power_law``             heavy-tailed client sizes, ``classes_per_client``
@@ -35,6 +38,7 @@ __all__ = [
     "PARTITIONERS",
     "class_groups",
     "describe",
+    "dirichlet_niid_bench",
     "dirichlet_per_class",
     "dirichlet_per_client",
     "iid",
@@ -247,6 +251,71 @@ def dirichlet_per_class(
             p = np.concatenate([p, extra])
         out.append(p)
     return _finish(out)
+
+
+def dirichlet_niid_bench(
+    labels: np.ndarray,
+    num_clients: int,
+    *,
+    alpha: float,
+    seed: int,
+    min_size: int = 10,
+    max_tries: int = 1000,
+) -> list[np.ndarray]:
+    """NIID-Bench's label-Dirichlet split (Li et al., ICDE 2022; the sampler Fischer et al. cite).
+
+    Rule, for the classes in increasing order: shuffle the class's indices (seeded),
+    draw ``p ~ Dir(alpha * 1_N)`` over the ``N`` clients, set ``p_k = 0`` for every
+    client that already holds ``>= m / N`` samples (from the classes before), renormalise,
+    and cut the class at the cumulative proportions, so every sample goes to a client.
+    The whole draw repeats until every client holds ``>= min_size`` samples (at most
+    ``max_tries`` times, else ValueError). The cap keeps the sizes near ``m / N``, unlike
+    ``dirichlet_per_class``; clients are disjoint and their union is the training set.
+
+    Args:
+      labels: ``[m]`` integer class ids.
+      num_clients: ``N``.
+      alpha: Dirichlet concentration, ``> 0``.
+      seed: RNG seed.
+      min_size: smallest allowed client size (NIID-Bench: 10).
+      max_tries: whole draws allowed.
+
+    Returns:
+      ``N`` sorted int64 index arrays, each with ``>= min_size`` entries.
+    """
+    y = _check_labels(labels)
+    n = _check_clients(num_clients, len(y))
+    alpha = _check_positive("alpha", alpha)
+    min_size = _check_int("min_size", min_size, 1)
+    max_tries = _check_int("max_tries", max_tries, 1)
+    if min_size * n > len(y):
+        raise ValueError(f"min_size={min_size} x {n} clients exceeds the {len(y)} samples; fix: lower min_size or "
+                         "num_clients")
+    rng = np.random.default_rng(seed)
+    cap = len(y) / n
+
+    def draw() -> list[np.ndarray] | None:
+        parts = [[] for _ in range(n)]
+        sizes = np.zeros(n, np.int64)
+        for c in np.unique(y):
+            pool = rng.permutation(np.flatnonzero(y == c))
+            p = rng.dirichlet(np.full(n, alpha)) * (sizes < cap)
+            if not np.isfinite(p).all() or p.sum() <= 0:  # all the mass on full clients (or underflow): redraw
+                return None
+            # rounded, not floored as NIID-Bench's code: a floor gives a full last client one sample when
+            # the cumulative sum before it rounds to just below 1
+            cuts = np.rint(np.cumsum(p / p.sum()) * len(pool)).astype(np.int64)[:-1]
+            for k, piece in enumerate(np.split(pool, cuts)):
+                parts[k].append(piece)
+                sizes[k] += len(piece)
+        return [np.concatenate(ps) for ps in parts]
+
+    for _ in range(max_tries):
+        parts = draw()
+        if parts is not None and min(len(p) for p in parts) >= min_size:
+            return _finish(parts)
+    raise ValueError(f"dirichlet_niid_bench: no draw in {max_tries} gave all {n} clients >= {min_size} samples "
+                     f"(alpha={alpha}); fix: raise alpha, or lower num_clients or min_size")
 
 
 def dirichlet_train_test(
@@ -714,6 +783,7 @@ PARTITIONERS: dict[str, Callable[..., list[np.ndarray]]] = {
     "nested": nested,
     "dirichlet_per_class": dirichlet_per_class,
     "dirichlet_per_client": dirichlet_per_client,
+    "dirichlet_niid_bench": dirichlet_niid_bench,
     "shards": shards,
     "power_law": power_law,
     "single_class": single_class,
