@@ -109,7 +109,8 @@ flags.DEFINE_enum("backend", "vmap", list(bf.core.BACKENDS), "Round engine backe
                   "the client and the stage).")
 flags.DEFINE_enum("augment", "none", list(bf.data.AUGMENTATIONS), "Augment every local mini-batch inside the "
                   "jitted round: shift_flip = random shifts of up to 10% of the width/height and horizontal flips "
-                  "(Fischer et al.'s CIFAR-10 augmentation).")
+                  "(Fischer et al.'s CIFAR-10 augmentation); crop_flip = random crops of the image zero-padded "
+                  "by 4 px and horizontal flips (the HBFL spec's CIFAR option).")
 flags.DEFINE_enum("lr_schedule", "constant", list(bf.core.SCHEDULES),
                   "Per-round learning rate: constant, or after --lr_decay_start rounds decayed "
                   "(exponential: lr*exp(-rate*(r-start)), the spec's reading of Fischer et al.).")

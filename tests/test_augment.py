@@ -34,6 +34,29 @@ def test_shift_flip_outputs_are_edge_filled_shifts_or_their_mirrors():
     assert seen_mirror == {False, True} and len(seen_shift) > 3  # both branches and several shifts occur
 
 
+def test_crop_flip_outputs_are_zero_filled_shifts_or_their_mirrors():
+    x = np.random.default_rng(1).normal(size=(24, 9, 9, 2)).astype(np.float32)
+    y = np.asarray(bf.data.random_crop_flip(jnp.asarray(x), jax.random.PRNGKey(5), padding=2))
+    chex.assert_shape(y, x.shape)
+
+    def cropped(image, sy, sx, mirror):  # out[i, j] = image[i - sy, j - sx], 0 outside
+        padded = np.pad(image, ((2, 2), (2, 2), (0, 0)))
+        out = padded[2 - sy: 2 - sy + 9, 2 - sx: 2 - sx + 9]
+        return out[:, ::-1] if mirror else out
+
+    seen = set()
+    for image, out in zip(x, y):
+        matches = [(sy, sx, m) for sy in range(-2, 3) for sx in range(-2, 3) for m in (False, True)
+                   if np.array_equal(out, cropped(image, sy, sx, m))]
+        assert matches, "output is not a zero-padded crop (<= 2 px) or its mirror"
+        seen.add(matches[0])
+    assert any(m for _, _, m in seen) and any(sy or sx for sy, sx, _ in seen)
+    assert (y == 0).any() and not (x == 0).any()  # the zero border shows where a crop is shifted
+    chex.assert_trees_all_equal(bf.data.random_crop_flip(jnp.asarray(x), jax.random.PRNGKey(0), padding=0,
+                                                         flip=False), jnp.asarray(x))
+    assert bf.data.AUGMENTATIONS["crop_flip"] is bf.data.random_crop_flip
+
+
 def test_shift_flip_without_shift_or_flip_is_the_identity():
     x = jnp.arange(2 * 8 * 8 * 1, dtype=jnp.float32).reshape(2, 8, 8, 1)
     chex.assert_trees_all_equal(bf.data.random_shift_flip(x, jax.random.PRNGKey(0), max_shift=0.0, flip=False), x)

@@ -1,9 +1,12 @@
-"""Mini-batch augmentation inside the jitted round (Fischer et al.'s CIFAR-10 shifts and flips).
+"""Mini-batch augmentation inside the jitted round (CIFAR-10 shifts or crops, and flips).
 
-``random_shift_flip`` shifts every image by a random whole number of pixels
-(up to ``max_shift`` of its height and width, the Keras ``width_shift_range`` /
-``height_shift_range`` of 0.1, about 3 px on 32x32), filling the border with the
+``random_shift_flip`` (Fischer et al.) shifts every image by a random whole number
+of pixels (up to ``max_shift`` of its height and width, the Keras ``width_shift_range``
+/ ``height_shift_range`` of 0.1, about 3 px on 32x32), filling the border with the
 nearest edge pixel, and mirrors it left-right with probability 1/2.
+``random_crop_flip`` (the HBFL spec's CIFAR option) is the usual random crop of the
+image zero-padded by ``padding`` pixels on every side (a shift of up to ``padding``
+pixels with zero fill, the mean pixel of standardised inputs), then the same flip.
 ``augmented(algorithm, fn)`` makes any algorithm augment each local batch with
 a key split from that step's key, so augmentation works for every client type
 (SGD, variational, FedReg) without touching its training step.
@@ -31,17 +34,42 @@ def random_shift_flip(x: jax.Array, key: jax.Array, *, max_shift: float = 0.1, f
     Returns:
       ``[B, H, W, C]``.
     """
+    _check_images(x)
+    return _shifted(x, key, round(max_shift * x.shape[1]), round(max_shift * x.shape[2]), flip, "edge")
+
+
+def random_crop_flip(x: jax.Array, key: jax.Array, *, padding: int = 4, flip: bool = True) -> jax.Array:
+    """Random ``H x W`` crops of the images zero-padded by ``padding`` pixels, half the time mirrored.
+
+    Args:
+      x: ``[B, H, W, C]`` images.
+      key: PRNG key.
+      padding: zero border added on every side before cropping (4 on CIFAR's 32x32).
+      flip: mirror along W with probability 1/2 per image.
+    Returns:
+      ``[B, H, W, C]``.
+    """
+    _check_images(x)
+    if int(padding) < 0:
+        raise ValueError(f"padding={padding} must be >= 0, e.g. 4")
+    return _shifted(x, key, int(padding), int(padding), flip, "constant")
+
+
+def _check_images(x: jax.Array) -> None:
     if x.ndim != 4:
-        raise ValueError(f"shift/flip augmentation needs image batches [B, H, W, C], got shape {x.shape}; "
+        raise ValueError(f"shift/crop/flip augmentation needs image batches [B, H, W, C], got shape {x.shape}; "
                          "fix: --augment=none for flat inputs")
+
+
+def _shifted(x: jax.Array, key: jax.Array, dh: int, dw: int, flip: bool, mode: str) -> jax.Array:
+    """Every image shifted by ``U{-dh..dh} x U{-dw..dw}`` pixels, the border filled by ``jnp.pad``'s ``mode``."""
     b, h, w, c = x.shape
-    dh, dw = round(max_shift * h), round(max_shift * w)
     k_y, k_x, k_flip = jax.random.split(key, 3)
     shift_y = jax.random.randint(k_y, (b,), -dh, dh + 1)
     shift_x = jax.random.randint(k_x, (b,), -dw, dw + 1)
-    padded = jnp.pad(x, ((0, 0), (dh, dh), (dw, dw), (0, 0)), mode="edge")
+    padded = jnp.pad(x, ((0, 0), (dh, dh), (dw, dw), (0, 0)), mode=mode)
 
-    def crop(image, sy, sx):  # output pixel (i, j) = input pixel (i - sy, j - sx), clamped to the edge
+    def crop(image, sy, sx):  # output pixel (i, j) = input pixel (i - sy, j - sx), or the fill
         return jax.lax.dynamic_slice(image, (dh - sy, dw - sx, 0), (h, w, c))
 
     out = jax.vmap(crop)(padded, shift_y, shift_x)
@@ -51,7 +79,7 @@ def random_shift_flip(x: jax.Array, key: jax.Array, *, max_shift: float = 0.1, f
     return out
 
 
-AUGMENTATIONS = {"none": None, "shift_flip": random_shift_flip}
+AUGMENTATIONS = {"none": None, "shift_flip": random_shift_flip, "crop_flip": random_crop_flip}
 
 
 def augmented(algorithm: Algorithm, augment: AugmentFn) -> Algorithm:
