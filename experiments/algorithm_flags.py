@@ -92,6 +92,8 @@ OPTION_FLAGS = {
     "mg": ("mg", ("fedreg",)),
     "fedreg_granularity": ("granularity", ("fedreg",)),
     "fedreg_clamp": ("clamp", ("fedreg",)),
+    "fedreg_per_layer": ("per_layer", ("fedreg",)),
+    "fedreg_pseudo_temperature": ("pseudo_temperature", ("fedreg",)),
     "scaffold_option": ("option", ("scaffold",)),
     "likelihood_temperature": ("temperature", ("hbfl",)),
     "meme_lr": ("meme_lr", ("hbfl",)),
@@ -186,6 +188,10 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     boolean("mg", "fedreg with MG (gradient projected off the uniform-label pseudo-data gradient).")
     enum("fedreg_granularity", GRANULARITIES, "fedreg: pseudo-data unit.")
     enum("fedreg_clamp", CLAMPS, "fedreg: generation clamp.")
+    boolean("fedreg_per_layer", "fedreg: Eq. 10's projections within each parameter tensor (an ablation; the "
+            "paper projects the whole flattened model).")
+    number(flags.DEFINE_float, "fedreg_pseudo_temperature", "fedreg: temperature tau of the pseudo labels "
+           "softmax(logits / tau) (default 1, the paper's).")
     enum("scaffold_option", SCAFFOLD_OPTIONS, "scaffold: control-variate update (default II).")
     boolean("fedprox_detached", "fedprox as the FedRef authors ran it: the proximal term has no gradient, so the "
             "clients train like FedAvg's.")

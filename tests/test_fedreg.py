@@ -79,6 +79,44 @@ def test_projections_satisfy_the_linearised_constraints(seed):
     chex.assert_trees_all_close(twice, first, atol=1e-6)
 
 
+def test_pseudo_label_temperature_softens_the_generated_labels(unit_fed, tiny_model):
+    from bfedjax.core import ClientContext, ClientData
+    from bfedjax.core.simulate import traced_hparams
+    theta_g = _params(tiny_model)
+    data = ClientData(jnp.asarray(unit_fed.x[0]), jnp.asarray(unit_fed.y[0]), jnp.int32(unit_fed.counts[0]))
+    reg = {}
+    for tau in (1.0, 3.0):
+        algo = bf.algorithms.fedreg(tiny_model, batch_size=6, pseudo_temperature=tau)
+        ctx = ClientContext({"params": theta_g}, (), data, traced_hparams(algo, 1))
+        reg[tau] = algo.client_init(ctx, jax.random.PRNGKey(0)).reg
+    chex.assert_trees_all_equal(reg[1.0].pseudo_x, reg[3.0].pseudo_x)  # generation does not see tau
+    logits = jnp.log(reg[1.0].pseudo_y)  # softmax(z) -> log gives z up to a per-row constant
+    chex.assert_trees_all_close(reg[3.0].pseudo_y, jax.nn.softmax(logits / 3.0), atol=1e-6)
+    entropy = lambda p: float(-jnp.sum(p * jnp.log(p)))
+    assert entropy(reg[3.0].pseudo_y) > entropy(reg[1.0].pseudo_y)
+    with pytest.raises(ValueError, match="pseudo_temperature"):
+        bf.algorithms.fedreg(tiny_model, pseudo_temperature=0.0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_per_layer_projections_satisfy_each_leafs_constraints(seed):
+    shapes = [(3, 2), (4,), (5,)]
+    k = jax.random.split(jax.random.PRNGKey(seed + 10), 4)
+    theta_g, params, g_s, g_p = (_random_tree(key, shapes) for key in k)
+    out, ws, wp = project_update(params, theta_g, g_s, g_p, per_layer=True)
+    d = jax.tree.map(jnp.subtract, out, theta_g)
+    leaves = zip(jax.tree.leaves(d), jax.tree.leaves(g_s), jax.tree.leaves(g_p), jax.tree.leaves(params),
+                 jax.tree.leaves(theta_g))
+    for dl, sl, pl, param, theta in leaves:
+        assert float(jnp.vdot(dl, pl)) <= 1e-5  # each leaf meets the perturbed-data constraint on its own
+        alone, ws_l, wp_l = project_update({"w": param}, {"w": theta}, {"w": sl}, {"w": pl})
+        np.testing.assert_allclose(np.asarray(alone["w"]), np.asarray(dl + theta), atol=1e-6)  # = its own Eq. 10
+        assert float(ws_l) <= float(ws) + 1e-7 and float(wp_l) <= float(wp) + 1e-7
+    glob, _, _ = project_update(params, theta_g, g_s, g_p)
+    assert not np.allclose(np.concatenate([np.ravel(x) for x in jax.tree.leaves(glob)]),
+                           np.concatenate([np.ravel(x) for x in jax.tree.leaves(out)]), atol=1e-4)
+
+
 def test_first_projection_is_the_euclidean_projection_onto_the_half_space():
     rng = np.random.default_rng(0)
     for _ in range(5):

@@ -89,20 +89,34 @@ def sign_ascent(apply_fn, params, x, y, *, eta, steps: int, bounds=None) -> jax.
     return jax.lax.fori_loop(0, steps, step, x)
 
 
-def project_update(params, theta_g, g_s, g_p, *, equality: bool = False):
+def project_update(params, theta_g, g_s, g_p, *, equality: bool = False, per_layer: bool = False):
     """Eq. 10: the two half-space projections of the local weights.
 
     With ``d = params - theta_g``: ``w_s = max(<d, g_s> / <g_s, g_s>, 0)``,
     ``w_p = max((<d, g_p> - w_s <g_s, g_p>) / <g_p, g_p>, 0)`` (no ``max`` with
-    ``equality``), dot products over all leaves flattened together, and the
-    authors' 1e-30 in each denominator.
-    Returns ``(params - w_s g_s - w_p g_p, w_s, w_p)``.
+    ``equality``), dot products over all leaves flattened together (``per_layer``:
+    within each leaf, one ``w_s``, ``w_p`` per leaf; the spec's ablation, not in the
+    paper), and the authors' 1e-30 in each denominator.
+    Returns ``(params - w_s g_s - w_p g_p, w_s, w_p)``; ``per_layer`` returns the largest
+    ``w_s``, ``w_p`` over the leaves.
     """
     clip = (lambda value: value) if equality else (lambda value: jnp.maximum(value, 0.0))
+
+    def weights(d, s, p, dot):
+        ws = clip(dot(d, s) / (dot(s, s) + DENOMINATOR_GUARD))
+        return ws, clip((dot(d, p) - ws * dot(s, p)) / (dot(p, p) + DENOMINATOR_GUARD))
+
     d = jax.tree.map(jnp.subtract, params, theta_g)
-    ws = clip(tree_dot(d, g_s) / (tree_dot(g_s, g_s) + DENOMINATOR_GUARD))
-    wp = clip((tree_dot(d, g_p) - ws * tree_dot(g_s, g_p)) / (tree_dot(g_p, g_p) + DENOMINATOR_GUARD))
-    return jax.tree.map(lambda t, s, p: t - ws * s - wp * p, params, g_s, g_p), ws, wp
+    if not per_layer:
+        ws, wp = weights(d, g_s, g_p, tree_dot)
+        return jax.tree.map(lambda t, s, p: t - ws * s - wp * p, params, g_s, g_p), ws, wp
+    leaf_dot = lambda a, b: jnp.vdot(a, b)
+    per_leaf = jax.tree.map(lambda dl, s, p: weights(dl, s, p, leaf_dot), d, g_s, g_p)
+    ws_tree = jax.tree.map(lambda _, w: w[0], d, per_leaf, is_leaf=lambda x: isinstance(x, tuple))
+    wp_tree = jax.tree.map(lambda _, w: w[1], d, per_leaf, is_leaf=lambda x: isinstance(x, tuple))
+    out = jax.tree.map(lambda t, s, p, ws, wp: t - ws * s - wp * p, params, g_s, g_p, ws_tree, wp_tree)
+    largest = lambda tree: jnp.max(jnp.stack(jax.tree.leaves(tree)))
+    return out, largest(ws_tree), largest(wp_tree)
 
 
 def remove_component(grad, direction):
@@ -142,7 +156,7 @@ def fedreg(model, *, lr: float = 0.1, gamma: float = 0.5, eta_s: float = 0.05, e
            generation_steps: int = 10, local_epochs: int = 1, batch_size: int = 32,
            granularity: str = "per_batch", clamp: str = "batch_range", valid_range=(0.0, 1.0),
            projections: bool = True, equality: bool = False, hard_pseudo: bool = False,
-           mg: bool = False) -> Algorithm:
+           pseudo_temperature: float = 1.0, per_layer: bool = False, mg: bool = False) -> Algorithm:
     """FedReg (and FedReg with MG, ``mg=True``) as an ``Algorithm``.
 
     Args:
@@ -156,6 +170,8 @@ def fedreg(model, *, lr: float = 0.1, gamma: float = 0.5, eta_s: float = 0.05, e
       projections: False skips Eq. 10 (ablation / the FedAvg identity).
       equality: constraints as equalities (w_s, w_p may be negative).
       hard_pseudo: argmax pseudo labels instead of the softmax.
+      pseudo_temperature: tau of the pseudo labels ``softmax(logits / tau)`` (the paper: 1).
+      per_layer: Eq. 10 within each parameter leaf (``project_update``; an ablation, not the paper's).
       mg: FedReg with MG (Eq. 12): each step's gradient loses its component
         along the gradient of this batch's pseudo inputs with uniform labels
         (regenerated from the real batch every step; v unclamped).
@@ -164,6 +180,8 @@ def fedreg(model, *, lr: float = 0.1, gamma: float = 0.5, eta_s: float = 0.05, e
         raise ValueError(f"granularity={granularity!r}; choose one of {GRANULARITIES}")
     if clamp not in CLAMPS:
         raise ValueError(f"clamp={clamp!r}; choose one of {CLAMPS}")
+    if not pseudo_temperature > 0:
+        raise ValueError(f"pseudo_temperature={pseudo_temperature} must be > 0 (1: the paper's softmax)")
     if needs_train_mode(model):
         raise ValueError("fedreg needs a model without BatchNorm or dropout (the paper's use GroupNorm or "
                          "none); fix: pick e.g. --model=fedreg_cnn or mlp with dropout_rate=0")
@@ -184,7 +202,7 @@ def fedreg(model, *, lr: float = 0.1, gamma: float = 0.5, eta_s: float = 0.05, e
         both = sign_ascent(apply_fn, params, jnp.concatenate([x, x]), jnp.concatenate([y, y]), eta=eta,
                            steps=generation_steps, bounds=both_bounds)
         pseudo_x, perturbed_x = both[:rows], both[rows:]
-        probs = jax.nn.softmax(apply_fn(params, pseudo_x))
+        probs = jax.nn.softmax(apply_fn(params, pseudo_x) / pseudo_temperature)
         if hard_pseudo:
             probs = jax.nn.one_hot(jnp.argmax(probs, -1), probs.shape[-1])
         return pseudo_x, jax.lax.stop_gradient(probs), perturbed_x
@@ -259,7 +277,7 @@ def fedreg(model, *, lr: float = 0.1, gamma: float = 0.5, eta_s: float = 0.05, e
         """Eq. 10 with both gradients at the midpoint; returns ``(theta*, w_s, w_p)``."""
         midpoint = jax.tree.map(lambda t, g: 0.5 * (t + g), params, theta_g)
         return project_update(params, theta_g, soft_grad(midpoint, *pseudo), ce_grad(midpoint, perturbed),
-                              equality=equality)
+                              equality=equality, per_layer=per_layer)
 
     def client_final(local: FedRegState, ctx):
         del ctx
