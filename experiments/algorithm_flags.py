@@ -60,6 +60,7 @@ OPTION_FLAGS = {
     "eps": ("eps", ("fola",)),
     "gamma": ("gamma", ("fola",)),
     "prior_grad": ("prior_grad", ("fola",)),
+    "prune_p": ("prune_p", ("fola",)),
     "rule": ("rule", ("bfl",)),
     "weighting": ("weighting", ("bfl",)),
     "dwc_guard": ("dwc_guard", ("bfl",)),
@@ -158,6 +159,8 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     number(flags.DEFINE_float, "eps", "fola: product denominator guard.")
     number(flags.DEFINE_float, "gamma", "fola: extra prior precision.")
     boolean("prior_grad", "fola: False detaches the prior as in the released code.")
+    number(flags.DEFINE_float, "prune_p", "fola: parameter compression, each client keeps the top prune_p fraction "
+           "of every tensor's precision and sends the mean of the rest (the authors' --pruing_p; default off).")
     # Fischer et al.
     enum("rule", RULES,
          "bfl: aggregation rule (default wc).")

@@ -23,6 +23,10 @@ prior_grad             False reproduces the released code (prior detached)
 clip_norm              global-norm clip of the total gradient (code 10)
 lam                    traced hyper-parameter; 0 gives "aggregation only"
 
+prune_p                parameter compression (the authors' ``--pruing_p``, off by default): each
+                       client keeps the top ``prune_p`` fraction of every tensor's precision and
+                       replaces the rest by their mean (``prune_precision``)
+
 precision_diagnostics  report the spec's precision diagnostics (section 7) as server
                        metrics every round: ``precision_below_eps``, the share of
                        coordinates with Lambda_S < eps, and ``precision_median`` (a
@@ -66,6 +70,7 @@ class FolaConfig:
     prior_grad: bool = True
     clip_norm: float | None = 10.0
     momentum: float = 0.0
+    prune_p: float | None = None
     precision_diagnostics: bool = True
 
     def __post_init__(self):
@@ -76,6 +81,8 @@ class FolaConfig:
         for name in ("damping", "eps", "gamma"):
             if getattr(self, name) < 0:
                 raise ValueError(f"FOLA {name}={getattr(self, name)} must be >= 0")
+        if self.prune_p is not None and not 0.0 < self.prune_p < 1.0:
+            raise ValueError(f"FOLA prune_p={self.prune_p} must be in (0, 1), e.g. 0.1 (None: no compression)")
 
 
 def _check(name, value, allowed):
@@ -90,6 +97,19 @@ PROFILES = {
                         precision_mode="running_average", offline_fisher_estimator="per_sample_sq",
                         eps=0.0, clip_norm=None),
 }
+
+
+def prune_precision(precision, p: float):
+    """FOLA's parameter compression, leaf by leaf: the authors' threshold is the ``floor(p n)``-th largest of
+    the leaf's ``n`` precisions (0-based); entries below it are replaced by their mean, so a client sends
+    about ``p n`` values and one scalar per tensor, and each leaf's sum is kept."""
+    def leaf(w):
+        flat = w.ravel()
+        threshold = jnp.sort(flat)[flat.size - 1 - int(p * flat.size)]
+        below = flat < threshold
+        mean_below = jnp.sum(jnp.where(below, flat, 0.0)) / jnp.maximum(jnp.sum(below), 1)
+        return jnp.where(below, mean_below, flat).reshape(w.shape)
+    return jax.tree.map(leaf, precision)
 
 
 def prior_precision(server, round_index, cfg: FolaConfig):
@@ -142,6 +162,8 @@ def fola(model, *, lr: float = 0.01, lam: float = 1e3, local_epochs: int = 1, ba
         else:  # Eq. 24
             r = ctx.hparams["round"].astype(jnp.float32)
             precision = jax.tree.map(lambda f, s: f / r + (r - 1.0) / r * s, fisher, ctx.server["precision"])
+        if cfg.prune_p is not None:
+            precision = prune_precision(precision, cfg.prune_p)
         return {"params": local.params, "precision": precision}, (), {}
 
     def server_init(params):
