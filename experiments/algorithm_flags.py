@@ -37,7 +37,7 @@ from bfedjax.algorithms.scaffold import OPTIONS as SCAFFOLD_OPTIONS
 from bfedjax.algorithms.server_opt import SERVER_OPTIMIZERS
 from bfedjax.posteriors import DWC_GUARDS
 from bfedjax.posteriors.weighting import WEIGHTINGS
-from bfedjax.vi import GRADIENT_ESTIMATORS
+from bfedjax.vi import GRADIENT_ESTIMATORS, INIT_LOCS
 
 # Options every algorithm takes when its factory has them (always passed).
 COMMON = {"lr": "lr", "local_epochs": "local_epochs", "batch_size": "batch_size"}
@@ -70,6 +70,8 @@ OPTION_FLAGS = {
     "variational_biases": ("variational_biases", ("bfl",)),
     "train_samples": ("train_samples", ("bfl",)),
     "gradient_estimator": ("gradient_estimator", ("bfl",)),
+    "init_loc": ("init_loc", ("bfl",)),
+    "init_loc_std": ("init_loc_std", ("bfl",)),
     "fedcurv_variant": ("variant", ("fedcurv",)),
     "fedprox_scaling": ("scaling", ("fedprox",)),
     "fedprox_detached": ("detached", ("fedprox",)),
@@ -179,6 +181,9 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> None:
          "bfl: gradient estimator of the expected log-likelihood (default flipout: per-example sign-flipped "
          "kernel noise; local_reparameterization: each output unit drawn from its Gaussian given the input; "
          "reparameterization: one weight sample per batch).")
+    enum("init_loc", INIT_LOCS, "bfl: initial posterior mean of the variational kernels (default normal: "
+         "N(0, --init_loc_std^2), spec D4; he_normal; model: the zoo model's own initialiser).")
+    number(flags.DEFINE_float, "init_loc_std", "bfl --init_loc=normal: its std (default 0.1).")
     # FedCurv, FedProx, SCAFFOLD, FedReg.
     enum("fedcurv_variant", FEDCURV_VARIANTS,
          "fedcurv form (previous_round: the FedReg authors'; run it with --fisher=per_sample_sq --clip_norm=0).")

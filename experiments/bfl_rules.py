@@ -19,7 +19,7 @@ import time
 import numpy as np
 from absl import app, flags, logging
 
-from bfedjax.vi import GRADIENT_ESTIMATORS
+from bfedjax.vi import GRADIENT_ESTIMATORS, INIT_LOCS, MeanFieldConfig
 from experiments import errors
 
 FLAGS = flags.FLAGS
@@ -37,6 +37,8 @@ flags.DEFINE_integer("hidden", 64, "MLP width.")
 flags.DEFINE_integer("test_samples", 10, "MC samples of the predictive.")
 flags.DEFINE_enum("gradient_estimator", "flipout", list(GRADIENT_ESTIMATORS),
                   "Gradient estimator of the variational clients (default Flipout, as Fischer et al.'s TFP layers).")
+flags.DEFINE_enum("init_loc", MeanFieldConfig.init_loc, list(INIT_LOCS),
+                  "Initial posterior mean of the variational kernels (spec D4: normal, N(0, 0.1^2)).")
 flags.DEFINE_float("dropout_rate", 0.2, "Dropout rate of the MC-dropout baseline (paper: 0.2).")
 flags.DEFINE_string("results_file", None, "Markdown output (default results/bfl_rules_<dataset>.md).")
 flags.DEFINE_bool("report_only", False, "Rewrite the markdown from the saved JSON of an earlier run (no training).")
@@ -67,7 +69,7 @@ def run_one(data, method, partition, epochs, rounds, seed):
         algo = bf.algorithms.build("fedavg", model, fed, lr=FLAGS.fedavg_lr, **setting)
     else:
         algo = bf.algorithms.build("bfl", model, fed, rule=method, lr=FLAGS.lr, test_samples=FLAGS.test_samples,
-                                   gradient_estimator=FLAGS.gradient_estimator, **setting)
+                                   gradient_estimator=FLAGS.gradient_estimator, init_loc=FLAGS.init_loc, **setting)
     res = bf.simulate(algo, fed, rounds=rounds, key=jax.random.PRNGKey(seed), evaluate_local=False)
     x, y = jnp.asarray(fed.x_test), jnp.asarray(fed.y_test)
     probs = algo.predict(res.state.server, x, jax.random.PRNGKey(1000 + seed), FLAGS.test_samples)
@@ -183,7 +185,7 @@ def write_results(rows, data):
              "Command:", "", "```", " ".join(["python -m experiments.bfl_rules"] +
                                              [a for a in sys.argv[1:] if a != "--report_only"]), "```", "",
              f"{FLAGS.num_clients} clients, MLP 1x{FLAGS.hidden}, B = {FLAGS.batch_size}, variational clients Adam "
-             f"lr {FLAGS.lr} ({FLAGS.gradient_estimator} gradients), FedAvg SGD lr {FLAGS.fedavg_lr}, train-size weights, prior N(0, 10^2), seeds {FLAGS.seeds}; "
+             f"lr {FLAGS.lr} ({FLAGS.gradient_estimator} gradients, initial posterior mean {FLAGS.init_loc}), FedAvg SGD lr {FLAGS.fedavg_lr}, train-size weights, prior N(0, 10^2), seeds {FLAGS.seeds}; "
              f"mean ± sample std over seeds of the final round; NLL and ECE (15 bins) of the {FLAGS.test_samples}-sample "
              "MC predictive (FedAvg: its softmax; mc_dropout: FedAvg of the same MLP with dropout "
              f"{FLAGS.dropout_rate} after the hidden layer, kept on for {FLAGS.test_samples} test passes).", ""]

@@ -218,6 +218,36 @@ def test_weightings():
     np.testing.assert_allclose(weighting.max_discrepancy(q, mask=jnp.array([1., 1., 1., 0.]))[3], 0.0)
 
 
+def test_raw_param_fedavg_averages_mu_and_rho_as_stored():
+    q, w = _clients(11, k=4, d=6)
+    out = P.aggregate("raw_param_fedavg", q, w)
+    sigma = np.sqrt(np.asarray(var(q)))
+    rho = np.log(np.expm1(sigma))  # NumPyro's softplus-constrained scale, unconstrained
+    expected_sigma = np.log1p(np.exp(np.asarray(w) @ rho))
+    np.testing.assert_allclose(out.mean, np.asarray(w) @ np.asarray(q.mean), rtol=1e-10)
+    np.testing.assert_allclose(np.sqrt(var(out)), expected_sigma, rtol=1e-8)
+    nwa = P.aggregate("nwa", q, w)  # same mean, another variance (Eq. 10 averages sigma^2)
+    np.testing.assert_allclose(out.mean, nwa.mean, rtol=1e-12)
+    assert not np.allclose(var(out), var(nwa), rtol=1e-3)
+    same = jax.tree.map(lambda x: jnp.broadcast_to(x[0], x.shape), q)
+    chex.assert_trees_all_close(P.aggregate("raw_param_fedavg", same, w), jax.tree.map(lambda x: x[0], q), rtol=1e-8)
+
+
+def test_weightings_spec_alternatives():
+    q, _ = _clients(12, k=4)
+    g = jax.tree.map(lambda x: x[0] * 0.9, q)
+    kl = np.asarray(weighting.pairwise_kl(q))
+    sym = kl + kl.T
+    gamma = 1.0 / np.max(np.where(np.eye(4) > 0, 0.0, sym), axis=1)
+    np.testing.assert_allclose(weighting.max_discrepancy(q, symmetric=True), gamma / gamma.sum(), rtol=1e-10)
+    literal_sym = np.max(np.where(np.eye(4) > 0, -np.inf, 1.0 / sym), axis=1)
+    np.testing.assert_allclose(weighting.max_discrepancy(q, literal=True, symmetric=True),
+                               literal_sym / literal_sym.sum(), rtol=1e-10)
+    reverse = np.array([float(P.kl_divergence(jax.tree.map(lambda x: x[k], q), g)) for k in range(4)])
+    np.testing.assert_allclose(weighting.distance(q, g, reverse=True), (1 / reverse) / (1 / reverse).sum(), rtol=1e-10)
+    assert not np.allclose(weighting.distance(q, g, reverse=True), weighting.distance(q, g), rtol=1e-3)
+
+
 def test_kl_and_scale_parameterisation():
     q, _ = _clients(10, k=2, d=3)
     a, b = jax.tree.map(lambda x: x[0], q), jax.tree.map(lambda x: x[1], q)

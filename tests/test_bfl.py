@@ -29,7 +29,40 @@ def test_posterior_svi_param_round_trip(vi_model):
     np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rule,weighting", [("wc", "by_size"), ("lp", "max_discrepancy")])
+def test_initial_posterior_mean_follows_the_spec_default_and_its_options():
+    model = bf.models.get_model("mlp", 10, hidden=(200,))
+    key = jax.random.PRNGKey(3)
+    zoo = bf.models.init_params(model, (8, 8, 1), jax.random.split(key)[0])
+    stds = {}
+    for init_loc in bf.vi.INIT_LOCS:
+        vi = MeanFieldVI(model, (8, 8, 1), bf.vi.MeanFieldConfig(init_loc=init_loc))
+        params = vi.init_params(key)
+        if init_loc == "model":  # the zoo's init from the key itself: the runs before spec D4 was followed
+            zoo = bf.models.init_params(model, (8, 8, 1), key)
+        chex.assert_trees_all_equal(params["Dense_0"]["bias"], zoo["Dense_0"]["bias"])  # deterministic: the zoo's
+        stds[init_loc] = float(jnp.std(params["Dense_0"]["kernel"]))  # [64, 200]
+        assert abs(float(jnp.mean(params["Dense_0"]["kernel"]))) < 0.01
+        if init_loc == "model":
+            chex.assert_trees_all_equal(params, zoo)
+        post = vi.init_posterior(key)
+        chex.assert_trees_all_equal(post["params"], params)
+        np.testing.assert_allclose(post["scale"]["Dense_0"]["kernel"], jax.nn.softplus(-3.0), rtol=1e-6)
+    assert stds["normal"] == pytest.approx(0.1, rel=0.03)  # spec D4: loc ~ N(0, 0.1^2)
+    assert stds["he_normal"] == pytest.approx(np.sqrt(2 / 64), rel=0.05)  # fan_in 64 (8x8x1 flattened)
+    assert stds["model"] == pytest.approx(float(jnp.std(zoo["Dense_0"]["kernel"])))
+    wide = MeanFieldVI(model, (8, 8, 1), bf.vi.MeanFieldConfig(init_loc_std=0.5)).init_params(key)
+    assert float(jnp.std(wide["Dense_0"]["kernel"])) == pytest.approx(0.5, rel=0.03)
+    algo = bf.algorithms.bfl(model, (8, 8, 1))
+    chex.assert_trees_all_equal(algo.init_params(key, (8, 8, 1)), MeanFieldVI(model, (8, 8, 1)).init_params(key))
+    with pytest.raises(ValueError, match="fix: bfl"):
+        algo.init_params(key, (28, 28, 1))
+    with pytest.raises(ValueError, match="init_loc"):
+        bf.vi.MeanFieldConfig(init_loc="xavier")
+
+
+@pytest.mark.parametrize("rule,weighting", [("wc", "by_size"), ("lp", "max_discrepancy"),
+                                          ("raw_param_fedavg", "max_discrepancy_symmetric"),
+                                          ("nwa", "distance_reversed")])
 def test_variational_round_vmap_matches_sequential(rule, weighting, small_fed, vi_model):
     algo = bf.algorithms.bfl(vi_model, small_fed.input_shape, rule=rule, weighting=weighting, lr=1e-2,
                              batch_size=16)

@@ -84,7 +84,7 @@ def assert_close(a, b, rtol=RTOL, atol=ATOL):
 
 
 # Every rule of the RULES table once (aliases: "clp" is nwa, "iv" is conflation), plus DWC.
-MASKED = ("nwa", "ws", "lp", "conflation", "wc", "llp", "dwc")
+MASKED = ("nwa", "ws", "lp", "conflation", "wc", "llp", "raw_param_fedavg", "dwc")
 ALIASES = {"clp": "nwa", "iv": "conflation"}
 
 
@@ -225,7 +225,7 @@ def test_one_client_is_its_own_posterior(cohort, w0, data):
 @given(cohorts(k_min=1, k_max=1), cohorts(), st.data())
 def test_identical_clients(one, shape_of, data):
     """K copies of one posterior (mean m, precision p), weights w: every mean stays m, and
-    precision is p (nwa, lp, llp, mixture), K p (conflation), p / sum(wn^2) (ws), p / max(wn)
+    precision is p (nwa, lp, llp, raw_param_fedavg, mixture), K p (conflation), p / sum(wn^2) (ws), p / max(wn)
     (wc), sum(w) p (product); DWC with that posterior as prior returns it."""
     q1, _, d = one
     _, w, _ = shape_of
@@ -234,7 +234,7 @@ def test_identical_clients(one, shape_of, data):
     m, p = take(q1, 0)
     wn = w / w.sum()
     expected = {"nwa": 1.0, "lp": 1.0, "llp": 1.0, "conflation": k, "ws": 1.0 / np.sum(wn ** 2), "wc": 1.0 / wn.max(),
-                "dwc": 1.0}
+                "raw_param_fedavg": 1.0, "dwc": 1.0}
     for name in MASKED:
         out = rule(name, q, w, prior=DiagGaussian(m, p))
         assert_close(out, DiagGaussian(m, jax.tree.map(lambda x: expected[name] * x, p)), rtol=1e-8)
@@ -381,8 +381,8 @@ def test_masked_slot_holding_a_zero_precision(name, bad_mean, bad_precision):
 # Partitioners
 # =============================================================================================
 
-SCHEMES = ("iid", "nested", "dirichlet_per_class", "dirichlet_per_client", "shards", "power_law", "single_class",
-           "class_groups")
+SCHEMES = ("iid", "nested", "dirichlet_per_class", "dirichlet_per_client", "dirichlet_niid_bench", "shards",
+           "power_law", "single_class", "class_groups")
 
 
 def test_every_scheme_is_covered():
@@ -492,6 +492,28 @@ def test_dirichlet_per_class_min_size_above_m():
     for rule in ("fallback_sample", "resample"):
         with pytest.raises(ValueError, match=r"min_size=3 exceeds the 2 samples; fix"):
             dirichlet_per_class(np.array([0, 1]), 1, alpha=1.0, seed=0, min_size=3, empty_rule=rule)
+
+
+@MANY
+@given(label_vectors(), st.integers(1, 8), ALPHA, st.integers(1, 3), SEED)
+def test_dirichlet_niid_bench_is_an_exact_cover_below_the_cap(y, n, alpha, min_size, seed):
+    """Every sample goes to exactly one client; each client holds >= min_size; replaying the classes in
+    order, no client receives a class after reaching m / N. Impossible sizes: a one-line ValueError."""
+    m = len(y)
+    assume(n <= m)
+    try:
+        parts = _run(y, "dirichlet_niid_bench", n, seed, alpha=alpha, min_size=min_size, max_tries=50)
+    except ValueError as err:  # min_size x N > m, or no draw in max_tries
+        _one_line_error(err)
+        assume(False)
+    _valid(parts, m, n)
+    np.testing.assert_array_equal(np.sort(np.concatenate(parts)), np.arange(m))
+    assert min(len(p) for p in parts) >= min_size
+    held = np.zeros(n, np.int64)
+    for c in np.unique(y):
+        got = np.array([np.sum(y[p] == c) for p in parts])
+        assert np.all(got[held >= m / n] == 0)
+        held += got
 
 
 @MANY

@@ -43,3 +43,21 @@ def test_ece_brier_and_retention():
     np.testing.assert_allclose(curve, [1.0, 0.5], atol=1e-6)
     s = U.summary(_probs()[0], _probs()[1])
     assert set(s) == {"accuracy", "nll", "ece", "brier", "entropy", "aleatoric", "epistemic"}
+
+
+def test_eq9_reductions_and_the_per_sample_nll():
+    probs, y = _probs(m=6, t=20, c=5, seed=4)
+    p_bar = U.predictive(probs)
+    diag_a = np.mean(np.asarray(probs) * (1 - np.asarray(probs)), axis=0)  # [T, C]
+    diag_e = np.var(np.asarray(probs), axis=0)
+    predicted = np.argmax(np.asarray(p_bar), -1)
+    for fn, diag in ((U.aleatoric, diag_a), (U.epistemic, diag_e)):
+        np.testing.assert_allclose(fn(probs), diag.sum(-1), rtol=1e-5)
+        np.testing.assert_allclose(fn(probs, reduce="mean_diagonal"), diag.mean(-1), rtol=1e-5)
+        np.testing.assert_allclose(fn(probs, reduce="predicted_class"), diag[np.arange(20), predicted], rtol=1e-5)
+    with np.testing.assert_raises(ValueError):
+        U.aleatoric(probs, reduce="max")
+    per_sample = -np.mean(np.log(np.asarray(probs)[:, np.arange(20), np.asarray(y)]))
+    np.testing.assert_allclose(U.mean_sample_nll(probs, y), per_sample, rtol=1e-5)
+    assert float(U.mean_sample_nll(probs, y)) > float(U.nll(p_bar, y))  # Jensen: averaging first lowers the NLL
+    np.testing.assert_allclose(U.mean_sample_nll(probs[:1], y), U.nll(probs[0], y), rtol=1e-6)  # M = 1: equal

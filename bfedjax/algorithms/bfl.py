@@ -47,7 +47,8 @@ def bfl(model, input_shape, *, rule: str = "wc", weighting: str = "by_size", pri
         lr: float = 1e-3, local_epochs: int = 1, batch_size: int = 32, dwc_guard: str = "conflation",
         dwc_floor_ratio: float = 1.0, prior_scale: float = 10.0, init_scale: float = MeanFieldConfig.init_scale,
         variational_biases: bool = False, train_samples: int = 1, test_samples: int = 10,
-        gradient_estimator: str = "flipout") -> Algorithm:
+        gradient_estimator: str = "flipout", init_loc: str = MeanFieldConfig.init_loc,
+        init_loc_std: float = MeanFieldConfig.init_loc_std) -> Algorithm:
     """Builds the algorithm.
 
     Args:
@@ -57,8 +58,9 @@ def bfl(model, input_shape, *, rule: str = "wc", weighting: str = "by_size", pri
       prior_update: each client's ELBO prior is the global posterior it received (always on for DWC).
       dwc_guard, dwc_floor_ratio: how DWC treats weights whose Eq. 17 precision is not positive
         (``aggregation.distributed_weight_consolidation``).
-      prior_scale, init_scale, variational_biases, train_samples, test_samples, gradient_estimator:
-        the variational clients' ``vi.MeanFieldConfig``; ``lr`` is their Adam step.
+      prior_scale, init_scale, variational_biases, train_samples, test_samples, gradient_estimator, init_loc,
+        init_loc_std: the variational clients' ``vi.MeanFieldConfig``; ``lr`` is their Adam step. The
+        ``init_params`` hook draws the initial posterior mean as ``init_loc`` says (spec D4).
 
     The server state is ``{"params": loc, "scale": scale}``; GA evaluates the
     posterior mean, and ``predict`` is the MC predictive of the posterior.
@@ -71,7 +73,7 @@ def bfl(model, input_shape, *, rule: str = "wc", weighting: str = "by_size", pri
         raise ValueError(f"weighting={weighting!r}; choose one of {weightings.WEIGHTINGS}")
     config = MeanFieldConfig(prior_scale=prior_scale, init_scale=init_scale, variational_biases=variational_biases,
                              train_samples=train_samples, test_samples=test_samples, learning_rate=lr,
-                             gradient_estimator=gradient_estimator)
+                             gradient_estimator=gradient_estimator, init_loc=init_loc, init_loc_std=init_loc_std)
     vi = MeanFieldVI(model, input_shape, config)
     use_prior = prior_update or rule == "dwc"
 
@@ -103,10 +105,11 @@ def bfl(model, input_shape, *, rule: str = "wc", weighting: str = "by_size", pri
         if weighting == "by_size":
             return weights
         stacked = _variational_posterior(messages["params"], messages["scale"], vi.variational)
-        if weighting == "max_discrepancy":
-            return weightings.max_discrepancy(stacked, mask)
+        if weighting.startswith("max_discrepancy"):
+            return weightings.max_discrepancy(stacked, mask, literal=weighting.endswith("_literal"),
+                                              symmetric=weighting.endswith("_symmetric"))
         global_posterior = _variational_posterior(server["params"], server["scale"], vi.variational)
-        return weightings.distance(stacked, global_posterior, mask)
+        return weightings.distance(stacked, global_posterior, mask, reverse=weighting == "distance_reversed")
 
     def server_update(server, messages, weights, mask, hparams, key):
         del hparams, key
@@ -135,11 +138,17 @@ def bfl(model, input_shape, *, rule: str = "wc", weighting: str = "by_size", pri
     def predict(server, x, key, num_samples: int):
         return in_batches(lambda xb: vi.predict_proba(server, xb, key, num_samples), x, PREDICT_BATCH_SIZE)
 
+    def init_params(key, shape):
+        if tuple(shape) != vi.input_shape:
+            raise ValueError(f"bfl was built for inputs of shape {vi.input_shape}, the data's are {tuple(shape)}; "
+                             f"fix: bfl(model, input_shape={tuple(shape)})")
+        return vi.init_params(key)
+
     task = classification(model)
     return Algorithm(
         name=f"bfl_{rule}", server_init=vi.posterior_from_params, client_init=client_init, client_step=client_step,
         client_final=client_final, server_update=server_update, evaluate=task.evaluate, predict=predict,
-        init_params=task.init_params, hparams={"lr": lr}, local_epochs=local_epochs, batch_size=batch_size)
+        init_params=init_params, hparams={"lr": lr}, local_epochs=local_epochs, batch_size=batch_size)
 
 
 def _scale_or_one(scale_tree):

@@ -25,6 +25,13 @@ def nll(p_bar, y):
     return -jnp.mean(jnp.log(jnp.take_along_axis(p_bar, y[:, None], -1)[:, 0] + _TINY))
 
 
+def mean_sample_nll(probs, y):
+    """The spec's alternative NLL (D9): the mean over samples and test points of -log p_m[y], ``probs [M, T, C]``
+    (at least ``nll`` of the averaged predictive, by Jensen's inequality)."""
+    picked = jnp.take_along_axis(probs, jnp.broadcast_to(y[None, :, None], probs.shape[:2] + (1,)), -1)[..., 0]
+    return -jnp.mean(jnp.log(picked + _TINY))
+
+
 def brier(p_bar, y):
     """Mean over test points of sum_c (p_bar_c - onehot_c)^2."""
     onehot = jnp.eye(p_bar.shape[-1])[y]
@@ -61,14 +68,31 @@ def normalised_entropy(p_bar):
     return -jnp.sum(p_bar * jnp.log(p_bar + _TINY), -1) / jnp.log(c)
 
 
-def aleatoric(probs):
-    """Trace of Eq. 9's aleatoric part: sum_c mean_m p_mc (1 - p_mc); ``[T]``."""
-    return jnp.sum(jnp.mean(probs * (1.0 - probs), axis=0), -1)
+REDUCTIONS = ("trace", "predicted_class", "mean_diagonal")  # Eq. 9's matrix to one number per test point (D10)
 
 
-def epistemic(probs):
-    """Trace of Eq. 9's epistemic part: sum_c Var_m p_mc; ``[T]``."""
-    return jnp.sum(jnp.var(probs, axis=0), -1)
+def _reduced(diagonal, probs, reduce: str):
+    """``[T]`` from Eq. 9's diagonal ``[T, C]``: its trace (default), its entry of the predicted class
+    (argmax of the MC-averaged predictive) or the mean of the diagonal."""
+    if reduce == "trace":
+        return jnp.sum(diagonal, -1)
+    if reduce == "mean_diagonal":
+        return jnp.mean(diagonal, -1)
+    if reduce == "predicted_class":
+        predicted = jnp.argmax(predictive(probs), -1)
+        return jnp.take_along_axis(diagonal, predicted[:, None], -1)[:, 0]
+    raise ValueError(f"reduce={reduce!r}; choose one of {REDUCTIONS}")
+
+
+def aleatoric(probs, reduce: str = "trace"):
+    """Eq. 9's aleatoric part, diagonal mean_m p_mc (1 - p_mc), reduced by ``reduce`` (the trace
+    sum_c ...); ``[T]``."""
+    return _reduced(jnp.mean(probs * (1.0 - probs), axis=0), probs, reduce)
+
+
+def epistemic(probs, reduce: str = "trace"):
+    """Eq. 9's epistemic part, diagonal Var_m p_mc, reduced by ``reduce`` (the trace sum_c ...); ``[T]``."""
+    return _reduced(jnp.var(probs, axis=0), probs, reduce)
 
 
 def accuracy_vs_retained(p_bar, y, uncertainty, fractions=(0.5, 0.6, 0.7, 0.8, 0.9, 1.0)):

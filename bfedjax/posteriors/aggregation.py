@@ -25,7 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from bfedjax.posteriors.gaussian import DiagGaussian
+from bfedjax.posteriors.gaussian import DiagGaussian, softplus_inverse
 from bfedjax.tree import weighted_sum
 
 
@@ -169,6 +169,20 @@ def weighted_conflation(stacked: DiagGaussian, weights, *, mask=None) -> DiagGau
     return DiagGaussian(pooled.mean, jax.tree.map(lambda p: p / jnp.max(w), pooled.precision))
 
 
+def raw_param_fedavg(stacked: DiagGaussian, weights, *, mask=None) -> DiagGaussian:
+    """FedAvg on the parameters as NumPyro stores them (the spec's D1 alternative to NWA): the weighted
+    mean of ``mu`` and of ``rho = softplus^-1(sigma)``, then ``sigma = softplus(rho)``."""
+    w = _normalised(weights, mask)
+    mean = weighted_sum(stacked.mean, w)
+
+    def rho(p):  # padding and zero-weight slots (precision possibly 0) contribute 0
+        counts = jnp.reshape(w > 0, (-1,) + (1,) * (jnp.ndim(p) - 1))
+        return jnp.where(counts, softplus_inverse(jax.lax.rsqrt(jnp.where(counts, p, 1.0))), 0.0)
+
+    scale = jax.tree.map(lambda r: jax.nn.softplus(r), weighted_sum(jax.tree.map(rho, stacked.precision), w))
+    return DiagGaussian(mean, jax.tree.map(lambda sd: 1.0 / jnp.square(sd), scale))
+
+
 DWC_GUARDS = ("conflation", "floor", "none")
 
 
@@ -229,6 +243,7 @@ RULES = {
     "wc": weighted_conflation,
     "llp": log_linear_pool,
     "clp": centered_linear_pool,
+    "raw_param_fedavg": raw_param_fedavg,
 }
 """Rules taking ``(stacked, weights, mask=None)``; DWC also needs the previous global posterior (see ``aggregate``)."""
 

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 from bfedjax.posteriors.gaussian import DiagGaussian, kl_divergence
 
 KL_FLOOR = 1e-12
-WEIGHTINGS = ("uniform", "by_size", "max_discrepancy", "distance")
+WEIGHTINGS = ("uniform", "by_size", "max_discrepancy", "max_discrepancy_literal", "max_discrepancy_symmetric",
+              "distance", "distance_reversed")
 
 
 def _normalise(gamma, mask):
@@ -39,14 +40,17 @@ def pairwise_kl(stacked: DiagGaussian) -> jax.Array:
     return jax.vmap(lambda i: jax.vmap(lambda j: one(i, j))(idx))(idx)
 
 
-def max_discrepancy(stacked: DiagGaussian, mask=None, literal: bool = False):
+def max_discrepancy(stacked: DiagGaussian, mask=None, literal: bool = False, symmetric: bool = False):
     """Eq. 20 (Koliander et al.).
 
     Default (the spec's reading): gamma_k = 1 / max_{j != k} KL[q_k || q_j] (floored), so
     clients far from the others weigh less. ``literal=True``: the equation as
-    printed with j != k, gamma_k = max_{j != k} 1 / KL[q_k || q_j].
+    printed with j != k, gamma_k = max_{j != k} 1 / KL[q_k || q_j]. ``symmetric=True``:
+    the symmetric KL[q_k || q_j] + KL[q_j || q_k] in place of KL[q_k || q_j] (spec D15).
     """
     kl = pairwise_kl(stacked)
+    if symmetric:
+        kl = kl + kl.T
     c = kl.shape[0]
     mask = jnp.ones(c) if mask is None else mask
     others = (1.0 - jnp.eye(c)) * mask[None, :]
@@ -60,8 +64,12 @@ def max_discrepancy(stacked: DiagGaussian, mask=None, literal: bool = False):
     return _normalise(gamma, mask)
 
 
-def distance(stacked: DiagGaussian, global_posterior: DiagGaussian, mask=None):
-    """Eq. 21: gamma_k = 1 / KL[q_g || q_k] with q_g the previous global posterior (floored)."""
-    kl = jax.vmap(lambda q: kl_divergence(global_posterior, q))(stacked)
+def distance(stacked: DiagGaussian, global_posterior: DiagGaussian, mask=None, reverse: bool = False):
+    """Eq. 21: gamma_k = 1 / KL[q_g || q_k] with q_g the previous global posterior (floored);
+    ``reverse=True``: 1 / KL[q_k || q_g] (spec D16)."""
+    if reverse:
+        kl = jax.vmap(lambda q: kl_divergence(q, global_posterior))(stacked)
+    else:
+        kl = jax.vmap(lambda q: kl_divergence(global_posterior, q))(stacked)
     mask = jnp.ones_like(kl) if mask is None else mask
     return _normalise(1.0 / jnp.maximum(kl, KL_FLOOR), mask)

@@ -47,6 +47,7 @@ from bfedjax.vi.layer_noise import flipout_apply, local_reparameterization_apply
 NET = "net"
 STATE = f"{NET}$state"
 GRADIENT_ESTIMATORS = ("flipout", "local_reparameterization", "reparameterization")
+INIT_LOCS = ("normal", "he_normal", "model")  # the initial posterior mean of the variational leaves
 
 
 def _path_name(path: tuple) -> str:
@@ -66,7 +67,13 @@ class MeanFieldConfig:
 
     Attributes:
       prior_scale: std of the N(0, prior_scale^2) prior (the paper's variance 100: std 10).
-      init_scale: initial posterior std (softplus(-3) ~ 0.0486, TFP's default rho of -3).
+      init_scale: initial posterior std (softplus(-3) ~ 0.0486, TFP's default rho of -3; the spec's
+        rho ~ N(-3, 0.1^2) is drawn without its 0.1 jitter: the server state is a function of the initial
+        model, without a key).
+      init_loc: initial posterior mean of the variational leaves: ``"normal"`` (default, the spec's
+        N(0, init_loc_std^2)), ``"he_normal"`` (N(0, 2 / fan_in), truncated as Flax's) or ``"model"``
+        (the zoo module's own initialiser). Deterministic leaves always keep the module's.
+      init_loc_std: the std of ``"normal"`` (0.1).
       variational_biases: put a prior and a posterior on dense/conv biases too (default: point
         estimates); normalisation layers stay deterministic.
       train_samples: MC samples of the ELBO (``test_samples``: of the predictive).
@@ -81,6 +88,8 @@ class MeanFieldConfig:
 
     prior_scale: float = 10.0
     init_scale: float = float(jax.nn.softplus(-3.0))
+    init_loc: str = "normal"
+    init_loc_std: float = 0.1
     variational_biases: bool = False
     train_samples: int = 1
     test_samples: int = 10
@@ -90,6 +99,10 @@ class MeanFieldConfig:
     def __post_init__(self):
         if self.gradient_estimator not in GRADIENT_ESTIMATORS:
             raise ValueError(f"gradient_estimator={self.gradient_estimator!r}; choose one of {GRADIENT_ESTIMATORS}")
+        if self.init_loc not in INIT_LOCS:
+            raise ValueError(f"init_loc={self.init_loc!r}; choose one of {INIT_LOCS}")
+        if not self.init_loc_std > 0:
+            raise ValueError(f"init_loc_std={self.init_loc_std} must be > 0, e.g. 0.1")
 
 
 class MeanFieldVI:
@@ -201,9 +214,25 @@ class MeanFieldVI:
         return {"params": {"params": loc, "batch_stats": stats},
                 "scale": {"params": scale, "batch_stats": jax.tree.map(jnp.zeros_like, stats)}}
 
+    def init_params(self, key) -> dict:
+        """Initial model (wire tree): the module's Flax init, with the variational leaves drawn as
+        ``config.init_loc`` says (``"model"``: the module's init from ``key`` itself, as before spec D4
+        was followed, so its runs repeat the earlier ones)."""
+        if self.config.init_loc == "model":
+            return init_params(self.module, self.input_shape, key)
+        module_key, loc_key = jax.random.split(key)
+        params = init_params(self.module, self.input_shape, module_key)
+        flat = traverse_util.flatten_dict(params)
+        draw = (jax.nn.initializers.normal(self.config.init_loc_std) if self.config.init_loc == "normal"
+                else jax.nn.initializers.he_normal())
+        for i, (path, value) in enumerate(sorted(flat.items())):
+            if _path_name(path) in self.variational:
+                flat[path] = draw(jax.random.fold_in(loc_key, i), value.shape, value.dtype)
+        return traverse_util.unflatten_dict(flat)
+
     def init_posterior(self, key) -> dict:
-        """Initial global posterior: loc from the Flax init (the zoo's kernels), scale ``init_scale``."""
-        return self.posterior_from_params(init_params(self.module, self.input_shape, key))
+        """Initial global posterior: loc ``init_params(key)``, scale ``init_scale`` on the variational leaves."""
+        return self.posterior_from_params(self.init_params(key))
 
     def posterior_from_params(self, params) -> dict:
         """A posterior centred on ``params`` (wire tree): ``init_scale`` on variational leaves, 0 elsewhere."""
