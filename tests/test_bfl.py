@@ -58,6 +58,10 @@ def test_initial_posterior_mean_follows_the_spec_default_and_its_options():
         algo.init_params(key, (28, 28, 1))
     with pytest.raises(ValueError, match="init_loc"):
         bf.vi.MeanFieldConfig(init_loc="xavier")
+    he_biases = MeanFieldVI(model, (8, 8, 1), bf.vi.MeanFieldConfig(init_loc="he_normal", variational_biases=True))
+    drawn = he_biases.init_params(key)  # variational biases have no fan-in: they start at 0
+    chex.assert_trees_all_equal(drawn["Dense_0"]["bias"], jnp.zeros(200))
+    assert float(jnp.std(drawn["Dense_0"]["kernel"])) == pytest.approx(np.sqrt(2 / 64), rel=0.05)
 
 
 @pytest.mark.parametrize("rule,weighting", [("wc", "by_size"), ("lp", "max_discrepancy"),

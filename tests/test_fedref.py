@@ -95,6 +95,13 @@ def test_lambda_2_schedule_follows_the_codes_in_place_update():
     for lam2 in (1e-6, 1e-4, 0.1):  # the README example, one that reaches the cap, one above it
         got = jax.vmap(lambda r: ref_lambda_at(jnp.float32(lam2), r, 10.0, 10, 0.005))(rounds)
         np.testing.assert_allclose(got, authors(lam2, 45), rtol=1e-5)
+    for lam2 in (0.1, 0.001):  # a shrinking lambda_2 from above and below the cap
+        got = jax.vmap(lambda r: ref_lambda_at(jnp.float32(lam2), r, 0.5, 3, 0.005))(rounds)
+        np.testing.assert_allclose(got, authors(lam2, 45, growth=0.5, every=3), rtol=1e-5)
+    far = ref_lambda_at(jnp.float32(0.0), jnp.int32(5000), 10.0, 10, 0.005)  # 10^500 overflows float32
+    assert float(far) == 0.0
+    assert float(ref_lambda_at(jnp.float32(1e-6), jnp.int32(5000), 10.0, 10, None)) == pytest.approx(
+        1e-6 * 10.0 ** 37, rel=1e-3)  # uncapped: held below float32's overflow, never inf
     assert ref_lambda_at(0.3, jnp.int32(40), 1.0, 10, 0.005) == 0.3  # growth 1: constant, the cap unused
 
 

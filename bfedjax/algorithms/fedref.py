@@ -39,6 +39,8 @@ their last training batch). ``p`` is static; ``lam`` and ``eta`` are traced
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -113,16 +115,19 @@ def reference_weights(reference: str, slots: int, filled) -> jax.Array:
 
 
 def ref_lambda_at(lam_ref, round_, growth: float, every: int, cap: float | None):
-    """lambda_2 in 1-based round ``round_``: ``lam_ref`` before round ``every``, then
-    ``lam_ref * growth ** floor(round_ / every)`` capped at ``cap`` (the authors' code multiplies by
-    ``growth`` at the start of every ``every``-th round and caps the product, so a ``lam_ref``
-    above the cap holds until round ``every``)."""
+    """lambda_2 in 1-based round ``round_``, as the authors' code updates it in place: at the start of every
+    ``every``-th round ``lambda_2 <- min(lambda_2 * growth, cap)``. After ``k = floor(round_ / every)`` steps
+    that is ``min(lam_ref * growth^k, cap * min(1, growth^(k-1)))`` (``lam_ref`` for ``k = 0``), so a
+    ``lam_ref`` above the cap holds until round ``every``. The power is clipped below float32's overflow."""
     if growth == 1.0:
         return lam_ref
-    grown = lam_ref * jnp.float32(growth) ** (round_ // every).astype(jnp.float32)
+    k = (round_ // every).astype(jnp.float32)
+    limit = math.floor(math.log(float(jnp.finfo(jnp.float32).max)) / abs(math.log(growth))) - 1.0
+    power = lambda e: jnp.float32(growth) ** jnp.clip(e, -limit, limit)
+    grown = lam_ref * power(k)
     if cap is not None:
-        grown = jnp.minimum(grown, cap)
-    return jnp.where(round_ < every, lam_ref, grown)
+        grown = jnp.minimum(grown, cap * jnp.minimum(1.0, power(k - 1.0)))
+    return jnp.where(k < 1, lam_ref, grown)
 
 
 def with_reference_model(algorithm: Algorithm, *, loss_fn, variant: str = "code", lam: float = 0.01, p: int = 5,

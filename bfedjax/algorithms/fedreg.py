@@ -111,9 +111,8 @@ def project_update(params, theta_g, g_s, g_p, *, equality: bool = False, per_lay
         ws, wp = weights(d, g_s, g_p, tree_dot)
         return jax.tree.map(lambda t, s, p: t - ws * s - wp * p, params, g_s, g_p), ws, wp
     leaf_dot = lambda a, b: jnp.vdot(a, b)
-    per_leaf = jax.tree.map(lambda dl, s, p: weights(dl, s, p, leaf_dot), d, g_s, g_p)
-    ws_tree = jax.tree.map(lambda _, w: w[0], d, per_leaf, is_leaf=lambda x: isinstance(x, tuple))
-    wp_tree = jax.tree.map(lambda _, w: w[1], d, per_leaf, is_leaf=lambda x: isinstance(x, tuple))
+    ws_tree = jax.tree.map(lambda dl, s, p: weights(dl, s, p, leaf_dot)[0], d, g_s, g_p)
+    wp_tree = jax.tree.map(lambda dl, s, p: weights(dl, s, p, leaf_dot)[1], d, g_s, g_p)
     out = jax.tree.map(lambda t, s, p, ws, wp: t - ws * s - wp * p, params, g_s, g_p, ws_tree, wp_tree)
     largest = lambda tree: jnp.max(jnp.stack(jax.tree.leaves(tree)))
     return out, largest(ws_tree), largest(wp_tree)

@@ -267,7 +267,8 @@ def dirichlet_niid_bench(
     Rule, for the classes in increasing order: shuffle the class's indices (seeded),
     draw ``p ~ Dir(alpha * 1_N)`` over the ``N`` clients, set ``p_k = 0`` for every
     client that already holds ``>= m / N`` samples (from the classes before), renormalise,
-    and cut the class at the cumulative proportions, so every sample goes to a client.
+    and cut the class at the floored cumulative proportions (NIID-Bench's cuts, with a 1e-6 tolerance
+    for float error), so every sample goes to a client.
     The whole draw repeats until every client holds ``>= min_size`` samples (at most
     ``max_tries`` times, else ValueError). The cap keeps the sizes near ``m / N``, unlike
     ``dirichlet_per_class``; clients are disjoint and their union is the training set.
@@ -302,9 +303,9 @@ def dirichlet_niid_bench(
             p = rng.dirichlet(np.full(n, alpha)) * (sizes < cap)
             if not np.isfinite(p).all() or p.sum() <= 0:  # all the mass on full clients (or underflow): redraw
                 return None
-            # rounded, not floored as NIID-Bench's code: a floor gives a full last client one sample when
-            # the cumulative sum before it rounds to just below 1
-            cuts = np.rint(np.cumsum(p / p.sum()) * len(pool)).astype(np.int64)[:-1]
+            # floored as NIID-Bench's code, with a 1e-6 tolerance: a cumulative sum that float error leaves
+            # just below 1 would otherwise hand a full last client one sample
+            cuts = np.floor(np.cumsum(p / p.sum()) * len(pool) + 1e-6).astype(np.int64)[:-1]
             for k, piece in enumerate(np.split(pool, cuts)):
                 parts[k].append(piece)
                 sizes[k] += len(piece)

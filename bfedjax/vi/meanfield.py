@@ -71,8 +71,9 @@ class MeanFieldConfig:
         rho ~ N(-3, 0.1^2) is drawn without its 0.1 jitter: the server state is a function of the initial
         model, without a key).
       init_loc: initial posterior mean of the variational leaves: ``"normal"`` (default, the spec's
-        N(0, init_loc_std^2)), ``"he_normal"`` (N(0, 2 / fan_in), truncated as Flax's) or ``"model"``
-        (the zoo module's own initialiser). Deterministic leaves always keep the module's.
+        N(0, init_loc_std^2)), ``"he_normal"`` (kernels N(0, 2 / fan_in), truncated as Flax's; variational
+        biases 0) or ``"model"`` (the zoo module's own initialiser). Deterministic leaves always keep the
+        module's.
       init_loc_std: the std of ``"normal"`` (0.1).
       variational_biases: put a prior and a posterior on dense/conv biases too (default: point
         estimates); normalisation layers stay deterministic.
@@ -223,11 +224,15 @@ class MeanFieldVI:
         module_key, loc_key = jax.random.split(key)
         params = init_params(self.module, self.input_shape, module_key)
         flat = traverse_util.flatten_dict(params)
-        draw = (jax.nn.initializers.normal(self.config.init_loc_std) if self.config.init_loc == "normal"
-                else jax.nn.initializers.he_normal())
+        normal, he_normal = jax.nn.initializers.normal(self.config.init_loc_std), jax.nn.initializers.he_normal()
         for i, (path, value) in enumerate(sorted(flat.items())):
-            if _path_name(path) in self.variational:
-                flat[path] = draw(jax.random.fold_in(loc_key, i), value.shape, value.dtype)
+            if _path_name(path) not in self.variational:
+                continue
+            if self.config.init_loc == "normal":
+                flat[path] = normal(jax.random.fold_in(loc_key, i), value.shape, value.dtype)
+            else:  # he_normal needs a fan-in: kernels; variational biases start at 0, as He et al.'s
+                flat[path] = (he_normal(jax.random.fold_in(loc_key, i), value.shape, value.dtype)
+                              if value.ndim >= 2 else jnp.zeros_like(value))
         return traverse_util.unflatten_dict(flat)
 
     def init_posterior(self, key) -> dict:
