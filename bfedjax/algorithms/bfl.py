@@ -58,9 +58,10 @@ def bfl(model, input_shape, *, rule: str = "wc", weighting: str = "by_size", pri
       prior_update: each client's ELBO prior is the global posterior it received (always on for DWC).
       dwc_guard, dwc_floor_ratio: how DWC treats weights whose Eq. 17 precision is not positive
         (``aggregation.distributed_weight_consolidation``).
-      prior_scale, init_scale, variational_biases, train_samples, test_samples, gradient_estimator, init_loc,
-        init_loc_std: the variational clients' ``vi.MeanFieldConfig``; ``lr`` is their Adam step. The
-        ``init_params`` hook draws the initial posterior mean as ``init_loc`` says (spec D4).
+      prior_scale, init_scale, variational_biases, train_samples, test_samples, gradient_estimator: the
+        variational clients' ``vi.MeanFieldConfig``; ``lr`` is their Adam step.
+      init_loc, init_loc_std: the initial posterior mean (``vi.MeanFieldConfig``, spec D4), which the
+        ``init_params`` hook draws.
 
     The server state is ``{"params": loc, "scale": scale}``; GA evaluates the
     posterior mean, and ``predict`` is the MC predictive of the posterior.
