@@ -93,6 +93,13 @@ def _check_int(name: str, value, lo: int) -> int:
     return int(value)
 
 
+def _dirichlet_arguments(labels, num_clients, alpha, min_size, max_tries):
+    """The checked ``(labels, num_clients, alpha, min_size, max_tries)`` of a per-class Dirichlet split."""
+    y = _check_labels(labels)
+    return (y, _check_clients(num_clients, len(y)), _check_positive("alpha", alpha), _check_int("min_size", min_size, 1),
+            _check_int("max_tries", max_tries, 1))
+
+
 def _class_pools(y: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, list[np.ndarray]]:
     """Present classes and, per class, its indices in a seeded random order."""
     classes = np.unique(y)
@@ -214,11 +221,7 @@ def dirichlet_per_class(
     Returns:
       ``N`` sorted int64 index arrays, each with ``>= min_size`` entries.
     """
-    y = _check_labels(labels)
-    n = _check_clients(num_clients, len(y))
-    alpha = _check_positive("alpha", alpha)
-    min_size = _check_int("min_size", min_size, 1)
-    max_tries = _check_int("max_tries", max_tries, 1)
+    y, n, alpha, min_size, max_tries = _dirichlet_arguments(labels, num_clients, alpha, min_size, max_tries)
     if empty_rule not in _EMPTY_RULES:
         raise ValueError(f"empty_rule must be one of {_EMPTY_RULES}, got {empty_rule!r}; fix: pass one of those")
     if min_size > len(y):
@@ -284,11 +287,7 @@ def dirichlet_niid_bench(
     Returns:
       ``N`` sorted int64 index arrays, each with ``>= min_size`` entries.
     """
-    y = _check_labels(labels)
-    n = _check_clients(num_clients, len(y))
-    alpha = _check_positive("alpha", alpha)
-    min_size = _check_int("min_size", min_size, 1)
-    max_tries = _check_int("max_tries", max_tries, 1)
+    y, n, alpha, min_size, max_tries = _dirichlet_arguments(labels, num_clients, alpha, min_size, max_tries)
     if min_size * n > len(y):
         raise ValueError(f"min_size={min_size} x {n} clients exceeds the {len(y)} samples; fix: lower min_size or "
                          "num_clients")
