@@ -201,6 +201,8 @@ def with_reference_model(algorithm: Algorithm, *, loss_fn, variant: str = "code"
         if reference == "weighted":
             weights = reference_weights(reference, slots, filled)
             return jax.tree.map(lambda buf: jnp.tensordot(weights.astype(buf.dtype), buf, axes=1), ring)
+        # the uniform mean as a sum over the filled slots divided by their number: reference_weights' 1/filled
+        # weights would round differently and move results/fedref.md in its last digits
         valid = (jnp.arange(slots) < filled).astype(jnp.float32)
         return jax.tree.map(lambda buf: jnp.tensordot(valid, buf, axes=1) / filled.astype(buf.dtype), ring)
 

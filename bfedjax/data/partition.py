@@ -297,8 +297,7 @@ def dirichlet_niid_bench(
     def draw() -> list[np.ndarray] | None:
         parts = [[] for _ in range(n)]
         sizes = np.zeros(n, np.int64)
-        for c in np.unique(y):
-            pool = rng.permutation(np.flatnonzero(y == c))
+        for pool in _class_pools(y, rng)[1]:  # every draw reshuffles the classes, as NIID-Bench's code
             p = rng.dirichlet(np.full(n, alpha)) * (sizes < cap)
             if not np.isfinite(p).all() or p.sum() <= 0:  # all the mass on full clients (or underflow): redraw
                 return None

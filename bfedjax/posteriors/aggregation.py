@@ -114,14 +114,19 @@ def _normalised(weights, mask=None):
     return weights / jnp.sum(weights)
 
 
-def _variance(stacked: DiagGaussian, weights):
-    """``1 / precision`` where a client weighs something, 0 elsewhere (a zero-weight or padding slot's
+def _per_counted_client(fn, stacked: DiagGaussian, weights):
+    """``fn(precision)`` where a client weighs something, 0 elsewhere (a zero-weight or padding slot's
     precision may be 0 and must not turn the weighted sum into ``0 * inf``)."""
     def leaf(p):
         counts = jnp.reshape(weights > 0, (-1,) + (1,) * (jnp.ndim(p) - 1))
-        return jnp.where(counts, 1.0 / jnp.where(counts, p, 1.0), 0.0)
+        return jnp.where(counts, fn(jnp.where(counts, p, 1.0)), 0.0)
 
     return jax.tree.map(leaf, stacked.precision)
+
+
+def _variance(stacked: DiagGaussian, weights):
+    """``1 / precision`` of the clients that weigh something, 0 elsewhere."""
+    return _per_counted_client(lambda p: 1.0 / p, stacked, weights)
 
 
 def nwa(stacked: DiagGaussian, weights, *, mask=None) -> DiagGaussian:
@@ -175,11 +180,8 @@ def raw_param_fedavg(stacked: DiagGaussian, weights, *, mask=None) -> DiagGaussi
     w = _normalised(weights, mask)
     mean = weighted_sum(stacked.mean, w)
 
-    def rho(p):  # padding and zero-weight slots (precision possibly 0) contribute 0
-        counts = jnp.reshape(w > 0, (-1,) + (1,) * (jnp.ndim(p) - 1))
-        return jnp.where(counts, softplus_inverse(jax.lax.rsqrt(jnp.where(counts, p, 1.0))), 0.0)
-
-    scale = jax.tree.map(lambda r: jax.nn.softplus(r), weighted_sum(jax.tree.map(rho, stacked.precision), w))
+    rho = _per_counted_client(lambda p: softplus_inverse(jax.lax.rsqrt(p)), stacked, w)
+    scale = jax.tree.map(jax.nn.softplus, weighted_sum(rho, w))
     return DiagGaussian(mean, jax.tree.map(lambda sd: 1.0 / jnp.square(sd), scale))
 
 
