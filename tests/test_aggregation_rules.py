@@ -240,7 +240,7 @@ def test_weightings_spec_alternatives():
     sym = kl + kl.T
     gamma = 1.0 / np.max(np.where(np.eye(4) > 0, 0.0, sym), axis=1)
     np.testing.assert_allclose(weighting.max_discrepancy(q, symmetric=True), gamma / gamma.sum(), rtol=1e-10)
-    literal_sym = np.max(np.where(np.eye(4) > 0, -np.inf, 1.0 / sym), axis=1)
+    literal_sym = np.max(np.where(np.eye(4) > 0, -np.inf, 1.0 / np.where(np.eye(4) > 0, 1.0, sym)), axis=1)
     np.testing.assert_allclose(weighting.max_discrepancy(q, literal=True, symmetric=True),
                                literal_sym / literal_sym.sum(), rtol=1e-10)
     reverse = np.array([float(P.kl_divergence(jax.tree.map(lambda x: x[k], q), g)) for k in range(4)])
