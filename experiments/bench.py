@@ -82,6 +82,12 @@ flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16"], "The libr
                   "matmul peak; the PyTorch rows stay float32. Give bfloat16 runs their own --output_dir.")
 flags.DEFINE_string("bfl_gradient_estimator", "flipout", "Gradient estimator of the variational (bfl) clients, "
                     "one of bfedjax.vi.GRADIENT_ESTIMATORS. Give other estimators their own --output_dir.")
+flags.DEFINE_bool("fixed_local_steps", True, "Let the library's rounds take fixed local steps where every client "
+                  "fills its batches (RoundConfig.fixed_local_steps, as simulate does); false keeps the per-step "
+                  "while_loop. Give --nofixed_local_steps runs their own --output_dir.")
+flags.DEFINE_float("matmul_conv_max_mib", None, "On this platform, the largest per-client im2col patch matrix (MiB) "
+                   "whose trained convolution runs as a matrix product (bfedjax.models.conv.MATMUL_CONV_MAX_BYTES; "
+                   "0: XLA's convolutions only); default: the library's. Give other values their own --output_dir.")
 flags.DEFINE_bool("resume", False, "Keep the rows of --output_dir/bench.json (a run cut off on the same machine) "
                   "and time only the missing ones.")
 errors.check_list("backends", lambda b: b in BACKENDS, f"among {', '.join(BACKENDS)}", "vmap,stepwise")
@@ -199,25 +205,32 @@ def _timed(fn) -> float:
 
 
 def training_flops_per_sample(model, input_shape) -> float:
-    """Forward FLOPs of one example from XLA's cost analysis, times 3 (forward + backward)."""
+    """Forward FLOPs of one example from XLA's cost analysis, times 3 (forward + backward). Compiled for the
+    CPU on every machine: a GPU executable's analysis counts none of the convolutions it hands to cuDNN."""
     import jax
     import jax.numpy as jnp
     from bfedjax.models import apply_fn_of, zoo
-    x = jnp.zeros((1,) + tuple(input_shape))
-    params = zoo.init_params(model, tuple(input_shape), jax.random.PRNGKey(0))  # BatchNorm statistics included
-    cost = jax.jit(apply_fn_of(model)).lower(params, x).compile().cost_analysis()
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        x = jnp.zeros((1,) + tuple(input_shape))
+        params = zoo.init_params(model, tuple(input_shape), jax.random.PRNGKey(0))  # BatchNorm statistics included
+        params, x = jax.device_put((params, x), cpu)  # committed: the executable is the CPU's
+        cost = jax.jit(apply_fn_of(model)).lower(params, x).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     return 3.0 * float(cost["flops"])
 
 
 def time_library(algorithm, fed, config: Config, backend: str, rounds: int) -> dict:
     import jax
-    from bfedjax.core import RoundConfig, init_state, make_round_step, with_own_buffers
+    from bfedjax.core import RoundConfig, init_state, make_round_step, with_fixed_local_steps, with_own_buffers
     from bfedjax.core.simulate import round_arrays, traced_hparams
+    arrays = round_arrays(fed)
     round_config = RoundConfig(fed.num_clients, fed.num_clients, clients_per_chunk=config.clients_per_chunk,
                                evaluate_local=False)
+    if FLAGS.fixed_local_steps:  # as simulate decides
+        round_config = with_fixed_local_steps(round_config, arrays)
     params = algorithm.init_params(jax.random.PRNGKey(0), fed.input_shape)
-    state, arrays = init_state(algorithm, params, round_config), round_arrays(fed)
+    state = init_state(algorithm, params, round_config)
     state = with_own_buffers(state, params)  # donated below
     step = make_round_step(algorithm, round_config, backend, donate_state=backend == "vmap")  # as simulate runs it
     out = {}
@@ -278,6 +291,9 @@ def main(argv):
         raise app.UsageError(f"--bfl_gradient_estimator={FLAGS.bfl_gradient_estimator}; fix: use one of "
                              f"{', '.join(bf.vi.GRADIENT_ESTIMATORS)}")
 
+    if FLAGS.matmul_conv_max_mib is not None:
+        limits = bf.models.conv.MATMUL_CONV_MAX_BYTES
+        limits[jax.default_backend()] = int(FLAGS.matmul_conv_max_mib * 2**20)
     rounds = FLAGS.rounds or 3
     rows, peak, bandwidth = (previous_rows(os.path.join(FLAGS.output_dir, "bench.json")) if FLAGS.resume
                              else ([], None, None))
@@ -287,7 +303,9 @@ def main(argv):
     on_cpu = device.platform == "cpu"
     machine = {"platform": device.platform, "device": str(device.device_kind), "cpu_count": os.cpu_count(),
                "processor": platform.processor() or platform.machine(), "jax": jax.__version__,
-               "compute_dtype": FLAGS.compute_dtype, "bfl_gradient_estimator": FLAGS.bfl_gradient_estimator}
+               "compute_dtype": FLAGS.compute_dtype, "bfl_gradient_estimator": FLAGS.bfl_gradient_estimator,
+               "fixed_local_steps": FLAGS.fixed_local_steps}
+    machine["matmul_conv_max_mib"] = bf.models.conv.MATMUL_CONV_MAX_BYTES.get(device.platform, 0) / 2**20
     if on_cpu:  # the default layout's chunks depend on it (core.layout)
         machine["last_level_cache_mib"] = bf.core.layout.last_level_cache_bytes() / 2**20
     data = {shape: load_images(shape) for shape in {INPUT_SHAPES["mlp"]}}

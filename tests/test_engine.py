@@ -120,6 +120,60 @@ def test_participation_rate_sets_the_cohort_size():
         cohort_size(20, participation=1.5)
 
 
+@pytest.fixture(scope="module")
+def equal_fed(digits):
+    """5 clients of 40 digits each: every client fills its arrays (``with_fixed_local_steps`` applies)."""
+    parts = [np.arange(40 * n, 40 * (n + 1)) for n in range(5)]
+    return bf.data.stack_clients(digits.x_train[:200], digits.y_train[:200], parts, x_test=digits.x_test,
+                                 y_test=digits.y_test, num_classes=10, name="digits")
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fola", "bfl", "fedreg"])
+@pytest.mark.parametrize("chunk", [None, 1, 2])
+def test_fixed_local_steps_give_the_loops_round(name, chunk, equal_fed, tiny_model, tiny_params):
+    algo = {"fedavg": lambda: bf.algorithms.fedavg(tiny_model, lr=0.1, batch_size=16, local_epochs=2),
+            "fola": lambda: bf.algorithms.fola(tiny_model, lr=0.1, lam=10.0, batch_size=16),
+            "bfl": lambda: bf.algorithms.bfl(tiny_model, equal_fed.input_shape, lr=1e-2, batch_size=16),
+            "fedreg": lambda: bf.algorithms.fedreg(tiny_model, lr=0.1, batch_size=16)}[name]()
+    # 3 of 5 clients in chunks of 2 leaves an empty padding slot, which must still train nothing
+    loop = RoundConfig(5, 3, clients_per_chunk=chunk)
+    fixed = bf.core.with_fixed_local_steps(loop, round_arrays(equal_fed))
+    assert fixed.fixed_local_steps and not loop.fixed_local_steps
+    got = _round(algo, equal_fed, tiny_params, fixed, "vmap")
+    chex.assert_trees_all_close(got, _round(algo, equal_fed, tiny_params, loop, "vmap"), rtol=1e-6, atol=1e-7)
+
+
+def test_fixed_local_steps_only_where_every_client_is_full(small_fed, equal_fed):
+    ragged = bf.core.with_fixed_local_steps(RoundConfig(5, 5), round_arrays(small_fed))
+    stragglers = bf.core.with_fixed_local_steps(RoundConfig(5, 5, straggler_fraction=0.4), round_arrays(equal_fed))
+    assert not ragged.fixed_local_steps and not stragglers.fixed_local_steps
+    with pytest.raises(ValueError, match="fixed_local_steps"):
+        RoundConfig(5, 5, round_fractions=(0.5,), fixed_local_steps=True)
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fola"])
+def test_the_accelerator_sum_of_client_statistics_matches_the_cpu_scan(name, tiny_model, tiny_params, monkeypatch):
+    algo = {"fedavg": lambda: bf.algorithms.fedavg(tiny_model, lr=0.1),
+            "fola": lambda: bf.algorithms.fola(tiny_model, lr=0.1, lam=10.0)}[name]()
+    assert algo.streams  # aggregated from client_stats
+    server, hp = algo.server_init(tiny_params), traced_hparams(algo, 1)
+    keys = jax.random.split(jax.random.PRNGKey(3), 4)
+    template = _message_like(algo, server, hp)  # positive random entries: valid FOLA precisions too
+    messages = jax.vmap(lambda k: jax.tree.map(lambda m: m + jax.random.uniform(k, m.shape), template))(keys)
+    weights, mask = jnp.array([0.1, 0.2, 0.3, 0.4]), jnp.ones(4)
+    on_cpu = algo.aggregate(server, messages, weights, mask, hp, jax.random.PRNGKey(0))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    chex.assert_trees_all_close(algo.aggregate(server, messages, weights, mask, hp, jax.random.PRNGKey(0)), on_cpu,
+                                rtol=1e-6, atol=1e-6)
+
+
+def _message_like(algo, server, hp):
+    """Zeros shaped like a client's message."""
+    data = ClientData(jnp.zeros((8, 8, 8, 1)), jnp.zeros((8,), jnp.int32), jnp.int32(8))
+    shapes = jax.eval_shape(lambda: local_training(algo, ClientContext(server, (), data, hp), jax.random.PRNGKey(0)))[0]
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
 def test_bad_config_errors_are_clear():
     with pytest.raises(ValueError, match="clients_per_round"):
         RoundConfig(num_clients=3, clients_per_round=4)

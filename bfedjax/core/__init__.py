@@ -2,7 +2,8 @@
 from bfedjax.core import attacks, layout, sharding
 from bfedjax.core.attacks import ATTACKS, Attack
 from bfedjax.core.engine import (BACKENDS, Cohort, EngineState, RoundArrays, RoundConfig, StageError, init_state,
-                                 local_training, make_round_step, sample_cohort, with_own_buffers)
+                                 local_training, make_round_step, sample_cohort, with_fixed_local_steps,
+                                 with_own_buffers)
 from bfedjax.core.schedules import SCHEDULES, lr_schedule
 from bfedjax.core.simulate import (CLIENT_WEIGHTINGS, NonFiniteClientError, SimulationResult, cohort_size,
                                    patience_reached, pretrain, round_arrays, simulate, traced_hparams)
@@ -12,4 +13,4 @@ __all__ = ["attacks", "layout", "sharding", "ATTACKS", "BACKENDS", "CLIENT_WEIGH
            "ClientContext", "ClientData", "Cohort", "EngineState", "NonFiniteClientError", "RoundArrays", "RoundConfig",
            "SCHEDULES", "SimulationResult", "StageError", "cohort_size",
            "init_state", "local_training", "lr_schedule", "make_round_step", "patience_reached", "pretrain",
-           "round_arrays", "sample_cohort", "simulate", "traced_hparams", "with_own_buffers"]
+           "round_arrays", "sample_cohort", "simulate", "traced_hparams", "with_fixed_local_steps", "with_own_buffers"]

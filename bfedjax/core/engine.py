@@ -60,7 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bfedjax.core.attacks import Attack, attacked_messages
-from bfedjax.core.batching import batch_is_real, epoch_permutation, take_batch
+from bfedjax.core.batching import batch_is_real, epoch_permutation, steps_per_epoch, take_batch
 from bfedjax.core.types import Algorithm, ClientContext, ClientData
 from bfedjax.tree import tree_stack, weighted_sum
 
@@ -130,6 +130,11 @@ class RoundConfig:
       on_nonfinite: a client whose message or new persistent state holds NaN or Inf is always left
         out of the round (mask and weight 0, the others renormalised; ``nonfinite_clients`` counts
         them); ``"stop"`` also reports ``first_nonfinite_client`` so ``simulate`` can stop the run.
+      fixed_local_steps: a promise that every real client holds exactly ``max_n`` samples (the
+        arrays' padded length) and trains every batch: each epoch then runs ``ceil(max_n / B)``
+        steps under ``lax.scan`` instead of a ``lax.while_loop`` that tests every step (on a GPU a
+        host round trip, and under ``vmap`` a select over the local state, per step). Empty
+        padding slots still train nothing. ``with_fixed_local_steps`` sets it when the data allow.
     """
 
     num_clients: int
@@ -143,6 +148,7 @@ class RoundConfig:
     round_fractions: tuple[float, ...] | None = None
     attack: Attack | None = None
     on_nonfinite: str = "drop"
+    fixed_local_steps: bool = False
 
     def __post_init__(self):
         if not 1 <= self.clients_per_round <= self.num_clients:
@@ -168,6 +174,9 @@ class RoundConfig:
                 raise ValueError(f"round_fractions={self.round_fractions} must be fractions in (0, 1], "
                                  "e.g. (0.5, 0.6, 0.7, 0.8, 0.9)")
             object.__setattr__(self, "round_fractions", fractions)
+        if self.fixed_local_steps and (self.straggler_fraction > 0 or self.round_fractions is not None):
+            raise ValueError("fixed_local_steps trains every client on all its batches; fix: drop it with "
+                             "straggler_fraction or round_fractions (with_fixed_local_steps decides)")
 
     @property
     def padded_cohort(self) -> int:
@@ -233,7 +242,8 @@ def init_state(algorithm: Algorithm, params, config: RoundConfig, key: jax.Array
     return EngineState(server, tuple(persistent))
 
 
-def local_training(algorithm: Algorithm, ctx: ClientContext, key: jax.Array, step_budget=NO_BUDGET):
+def local_training(algorithm: Algorithm, ctx: ClientContext, key: jax.Array, step_budget=NO_BUDGET,
+                   fixed_steps: bool = False):
     """Runs one client's local epochs; returns ``client_final``'s ``(message, persistent, metrics)``.
 
     Epochs run under ``lax.scan``; within an epoch a ``lax.while_loop`` takes
@@ -242,6 +252,11 @@ def local_training(algorithm: Algorithm, ctx: ClientContext, key: jax.Array, ste
     until the largest client of the vmapped group is done and leaves finished
     clients' states unchanged, so a group of similar-sized clients (the engine
     sorts the cohort by size before chunking) does little padded work.
+
+    ``fixed_steps=True`` (``RoundConfig.fixed_local_steps``: the client holds ``max_n`` samples or
+    none, and ``step_budget`` never binds) takes all ``ceil(max_n / B)`` batch slots under a
+    ``lax.scan`` instead, with no per-step test; an empty client (a padding slot) keeps its
+    initial local state, as in the loop. Same steps, same keys, same result.
     """
     init_key, perm_key, step_key = jax.random.split(key, 3)  # same derivation in _looped_client
     local = algorithm.client_init(ctx, init_key)
@@ -253,20 +268,36 @@ def local_training(algorithm: Algorithm, ctx: ClientContext, key: jax.Array, ste
         order = epoch_permutation(perm_key, ctx.data.count, max_n, e)
         epoch_key = jax.random.fold_in(step_key, e)
 
-        def step(carry):
-            j, taken, local = carry
+        def step(j, local):
             batch = take_batch(ctx.data, order, j, batch_size)
-            return j + 1, taken + 1, algorithm.client_step(local, batch, ctx, jax.random.fold_in(epoch_key, j))
+            return algorithm.client_step(local, batch, ctx, jax.random.fold_in(epoch_key, j))
+
+        if fixed_steps:
+            local, _ = jax.lax.scan(lambda local, j: (step(j, local), None), local,
+                                    jnp.arange(steps_per_epoch(max_n, batch_size), dtype=jnp.int32))
+            return (taken, local), None
 
         def more(carry):
             j, taken, _ = carry
             return batch_is_real(ctx.data, j, batch_size) & (taken < step_budget)
 
-        _, taken, local = jax.lax.while_loop(more, step, (jnp.int32(0), taken, local))
+        _, taken, local = jax.lax.while_loop(lambda c: more(c), lambda c: (c[0] + 1, c[1] + 1, step(c[0], c[2])),
+                                             (jnp.int32(0), taken, local))
         return (taken, local), None
 
-    (_, local), _ = jax.lax.scan(epoch, (jnp.int32(0), local), jnp.arange(algorithm.local_epochs))
-    return algorithm.client_final(local, ctx)
+    (_, trained), _ = jax.lax.scan(epoch, (jnp.int32(0), local), jnp.arange(algorithm.local_epochs))
+    if fixed_steps:  # an empty padding slot trains nothing
+        trained = jax.tree.map(lambda new, old: jnp.where(ctx.data.count > 0, new, old), trained, local)
+    return algorithm.client_final(trained, ctx)
+
+
+def with_fixed_local_steps(config: RoundConfig, arrays: RoundArrays) -> RoundConfig:
+    """``config`` with ``fixed_local_steps`` set when it holds: every real client of ``arrays`` has exactly
+    ``max_n`` samples (concrete counts), no stragglers, no ``round_fractions``."""
+    counts, mask = np.asarray(arrays.counts), np.asarray(arrays.client_mask) > 0
+    full = bool(mask.any()) and bool(np.all(counts[mask] == arrays.y.shape[1])) and not np.any(counts[~mask])
+    fixed = full and config.straggler_fraction == 0 and config.round_fractions is None
+    return dataclasses.replace(config, fixed_local_steps=fixed)
 
 
 class Cohort(NamedTuple):
@@ -406,7 +437,7 @@ def _with_client_test_metrics(algorithm: Algorithm, arrays: RoundArrays, client_
 def _run_one_client(algorithm, config, state, arrays, hparams, client_id, key, budget, group):
     data, persistent = client_inputs(state, arrays, config, client_id, group)
     ctx = ClientContext(state.server, persistent, data, hparams, group, client_test_data(arrays, client_id))
-    outputs = local_training(algorithm, ctx, key, budget)
+    outputs = local_training(algorithm, ctx, key, budget, config.fixed_local_steps)
     return _with_client_test_metrics(algorithm, arrays, client_id, outputs, group)
 
 
@@ -722,7 +753,7 @@ def _vmapped_round(algorithm, config, state, arrays, key, hparams):
             # Full participation: vmap straight over the stored client axis (no gather copy).
             def train_in_place(data, persistent, cid, k, b):
                 ctx = ClientContext(state.server, persistent, data, hparams, 0, client_test_data(arrays, cid))
-                return _with_client_test_metrics(algorithm, arrays, cid, local_training(algorithm, ctx, k, b), 0)
+                return _with_client_test_metrics(algorithm, arrays, cid, local_training(algorithm, ctx, k, b, config.fixed_local_steps), 0)
             data = ClientData(arrays.x, arrays.y, arrays.counts)
             outputs = jax.vmap(train_in_place)(data, state.persistent[0], sub.ids, sub.keys, sub.budgets)
         elif chunk is None or chunk >= slots:
@@ -877,4 +908,4 @@ def _debug_round_fn(algorithm, config):
 __all__ = ["BACKENDS", "NONFINITE_POLICIES", "NO_BUDGET", "STRAGGLER_WEIGHTINGS", "Cohort", "EngineState",
            "RoundArrays", "RoundConfig", "StageError", "finish_round", "finite_rows", "init_state", "local_training",
            "make_round_step", "persistent_init_key", "sample_cohort", "server_key_of", "straggler_epochs",
-           "with_own_buffers", "with_round_subsets"]
+           "with_fixed_local_steps", "with_own_buffers", "with_round_subsets"]

@@ -16,7 +16,7 @@ import numpy as np
 from bfedjax.core.attacks import Attack, flip_labels
 from bfedjax.core import layout
 from bfedjax.core.engine import (EngineState, RoundArrays, RoundConfig, client_inputs, client_test_data, init_state,
-                                 make_round_step, with_own_buffers)
+                                 make_round_step, with_fixed_local_steps, with_own_buffers)
 from bfedjax.core.types import Algorithm, ClientContext
 
 
@@ -173,6 +173,7 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
     num_clients, arrays = fed.num_clients, round_arrays(fed, client_weights)
     if attack is not None:
         arrays = with_attackers(arrays, attack, fed.num_classes)
+    host_arrays = arrays  # before sharding: the counts stay readable on every host
     groups = _checked_groups(algorithm, client_groups, fed.num_clients)
     if mesh is not None:
         from bfedjax.core import sharding
@@ -189,6 +190,7 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
                          client_groups=groups, straggler_fraction=straggler_fraction,
                          straggler_weighting=straggler_weighting, attack=attack, on_nonfinite=on_nonfinite,
                          round_fractions=None if round_fractions is None else tuple(round_fractions))
+    config = with_fixed_local_steps(config, host_arrays)
     callers_arrays = (init_params, init_server)  # the rounds must not donate these
     if init_params is None and init_server is None:
         if algorithm.init_params is None:
