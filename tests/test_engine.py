@@ -129,14 +129,15 @@ def equal_fed(digits):
 
 
 @pytest.mark.parametrize("name", ["fedavg", "fola", "bfl", "fedreg"])
-@pytest.mark.parametrize("chunk", [None, 1, 2])
-def test_fixed_local_steps_give_the_loops_round(name, chunk, equal_fed, tiny_model, tiny_params):
+# (K, chunk, pad_cohort_to): the stored client axis vmapped in place; clients in turn; chunks of 2 with a
+# padding slot under the vmap; clients in turn with a padding slot outside any vmap
+@pytest.mark.parametrize("k,chunk,pad", [(5, None, 1), (3, 1, 1), (3, 2, 1), (3, 1, 4)])
+def test_fixed_local_steps_give_the_loops_round(name, k, chunk, pad, equal_fed, tiny_model, tiny_params):
     algo = {"fedavg": lambda: bf.algorithms.fedavg(tiny_model, lr=0.1, batch_size=16, local_epochs=2),
             "fola": lambda: bf.algorithms.fola(tiny_model, lr=0.1, lam=10.0, batch_size=16),
             "bfl": lambda: bf.algorithms.bfl(tiny_model, equal_fed.input_shape, lr=1e-2, batch_size=16),
             "fedreg": lambda: bf.algorithms.fedreg(tiny_model, lr=0.1, batch_size=16)}[name]()
-    # 3 of 5 clients in chunks of 2 leaves an empty padding slot, which must still train nothing
-    loop = RoundConfig(5, 3, clients_per_chunk=chunk)
+    loop = RoundConfig(5, k, clients_per_chunk=chunk, pad_cohort_to=pad)
     fixed = bf.core.with_fixed_local_steps(loop, round_arrays(equal_fed))
     assert fixed.fixed_local_steps and not loop.fixed_local_steps
     got = _round(algo, equal_fed, tiny_params, fixed, "vmap")

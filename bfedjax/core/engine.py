@@ -255,8 +255,9 @@ def local_training(algorithm: Algorithm, ctx: ClientContext, key: jax.Array, ste
 
     ``fixed_steps=True`` (``RoundConfig.fixed_local_steps``: the client holds ``max_n`` samples or
     none, and ``step_budget`` never binds) takes all ``ceil(max_n / B)`` batch slots under a
-    ``lax.scan`` instead, with no per-step test; an empty client (a padding slot) keeps its
-    initial local state, as in the loop. Same steps, same keys, same result.
+    ``lax.scan`` instead, with no per-step test; an empty client (a padding slot) skips its
+    epochs under a ``lax.cond`` and keeps its initial local state, as in the loop. Same steps,
+    same keys, same result.
     """
     init_key, perm_key, step_key = jax.random.split(key, 3)  # same derivation in _looped_client
     local = algorithm.client_init(ctx, init_key)
@@ -285,9 +286,12 @@ def local_training(algorithm: Algorithm, ctx: ClientContext, key: jax.Array, ste
                                              (jnp.int32(0), taken, local))
         return (taken, local), None
 
-    (_, trained), _ = jax.lax.scan(epoch, (jnp.int32(0), local), jnp.arange(algorithm.local_epochs))
-    if fixed_steps:  # an empty padding slot trains nothing
-        trained = jax.tree.map(lambda new, old: jnp.where(ctx.data.count > 0, new, old), trained, local)
+    def train(local):
+        (_, trained), _ = jax.lax.scan(epoch, (jnp.int32(0), local), jnp.arange(algorithm.local_epochs))
+        return trained
+
+    # fixed steps: an empty padding slot trains nothing (skipped outside a vmap, a select under one)
+    trained = jax.lax.cond(ctx.data.count > 0, train, lambda local: local, local) if fixed_steps else train(local)
     return algorithm.client_final(trained, ctx)
 
 

@@ -242,11 +242,12 @@ class Algorithm:
     def aggregate(self, server, messages, weights, mask, hparams, key):
         """``(server, server_metrics)``: ``server_update``, or the one derived from the statistics pair.
 
-        The derived sum ``sum_c weights[c] * client_stats(messages[c])`` never materialises the
-        per-client statistics (e.g. precision * mean) as ``[C, ...]`` arrays. On a CPU it runs as a
-        ``lax.scan`` over clients, each client's statistics fused into the accumulation; on an
-        accelerator as one reduction over the client axis with the statistics fused into it (a
-        scan there costs a launch per client: 1 ms of a 4 ms FedAvg round of 100 MLP clients on an
+        The derived sum ``sum_c weights[c] * client_stats(messages[c])`` keeps each statistic's
+        dtype. On a CPU it runs as a ``lax.scan`` over clients, each client's statistics (e.g.
+        precision * mean) fused into the accumulation and never materialised as ``[C, ...]``
+        arrays; on an accelerator as one reduction over the client axis, into which XLA fuses
+        elementwise statistics (a
+        scan there costs a launch per client: 0.7 ms of a 4.7 ms FedAvg round of 100 MLP clients on an
         H100).
         """
         if self.server_update is not None:
@@ -262,7 +263,7 @@ class Algorithm:
             total, _ = jax.lax.scan(add, zeros, (messages, weights))
         else:
             def weighted_sum(s):
-                return jnp.sum(weights.reshape((-1,) + (1,) * (s.ndim - 1)) * s, axis=0)
+                return jnp.sum(weights.reshape((-1,) + (1,) * (s.ndim - 1)) * s, axis=0).astype(s.dtype)
 
             total = jax.tree.map(weighted_sum, jax.vmap(self.client_stats)(messages))
         return self.server_from_stats(server, total, mask, hparams, key)

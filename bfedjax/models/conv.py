@@ -27,10 +27,10 @@ dilation, one group; anything else goes to ``lax``). It picks by platform:
   On a GPU, a vmap turns XLA's convolutions into grouped cuDNN convolutions, slow for
   small per-client patches; large ones (FedReg's 20x20x800 conv2 patches) stay faster in cuDNN.
   A FedAvg round of 100 clients (B = 10) on an H100, median of 20 (``python -m experiments.bench_round``
-  with 0, 2 and 16 MiB): FedReg's CNN 74.8 ms with every convolution in cuDNN, 58.7 ms with the
+  with 0, 0.75, 2 and 16 MiB for FedReg's CNN, 0, 2.5 and 4 MiB for FOLA's): FedReg's CNN 74.8 ms with every convolution in cuDNN, 58.7 ms with the
   patches up to 2 MiB as matrix products, 79.7 ms with all of them; FOLA's CIFAR CNN 72.1 ms
-  against 38.6 ms with both its convolutions (2.3 and 3.2 MiB patches) as matrix products.
-* elsewhere, and for larger patches: ``loop_friendly_conv``,  ``loop_friendly_conv``, ``lax``'s forward convolution with a
+  against 38.6 ms with both its convolutions (2.2 and 3.1 MiB patches) as matrix products.
+* elsewhere, and for larger patches: ``loop_friendly_conv``, ``lax``'s forward convolution with a
   custom VJP that writes both backward passes as ordinary NHWC/HWIO forward
   convolutions after explicit transposes, zero-dilation and padding.
 
