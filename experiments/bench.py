@@ -303,9 +303,7 @@ def main(argv):
     on_cpu = device.platform == "cpu"
     machine = {"platform": device.platform, "device": str(device.device_kind), "cpu_count": os.cpu_count(),
                "processor": platform.processor() or platform.machine(), "jax": jax.__version__,
-               "compute_dtype": FLAGS.compute_dtype, "bfl_gradient_estimator": FLAGS.bfl_gradient_estimator,
-               "fixed_local_steps": FLAGS.fixed_local_steps}
-    machine["matmul_conv_max_mib"] = bf.models.conv.MATMUL_CONV_MAX_BYTES.get(device.platform, 0) / 2**20
+               **library_settings()}
     if on_cpu:  # the default layout's chunks depend on it (core.layout)
         machine["last_level_cache_mib"] = bf.core.layout.last_level_cache_bytes() / 2**20
     data = {shape: load_images(shape) for shape in {INPUT_SHAPES["mlp"]}}
@@ -411,13 +409,30 @@ def previous_rows(path: str) -> tuple[list[dict], float | None, float | None]:
     if report["machine"]["device"] != kind:
         raise app.UsageError(f"--resume: {path} was measured on {report['machine']['device']!r}, this is {kind!r}; "
                              "fix: pass another --output_dir or drop --resume")
-    measured_dtype = report["machine"].get("compute_dtype", "float32")
-    if measured_dtype != FLAGS.compute_dtype:
-        raise app.UsageError(f"--resume: {path} was measured with --compute_dtype={measured_dtype}; fix: pass "
-                             f"--compute_dtype={measured_dtype}, another --output_dir, or drop --resume")
+    for name, value in library_settings().items():  # the library rows must be timed with the stored settings
+        stored = report["machine"].get(name, "float32" if name == "compute_dtype" else None)  # None: not recorded
+        if stored is not None and stored != value:
+            raise app.UsageError(f"--resume: {path} was measured with {_as_flag(name, stored)}; fix: pass "
+                                 f"{_as_flag(name, stored)}, another --output_dir, or drop --resume")
     print(f"resuming: {len(report['rows'])} rows kept from {path}", flush=True)
     bandwidth = report.get("memory_gb_per_s")  # absent in reports from before the roofline column
     return report["rows"], report["matmul_peak_gflops"] * 1e9, bandwidth * 1e9 if bandwidth else None
+
+
+def library_settings() -> dict:
+    """The flags that change the library's rows, as ``bench.json``'s machine entry records them."""
+    import jax
+    import bfedjax as bf
+    platform = jax.devices()[0].platform
+    return {"compute_dtype": FLAGS.compute_dtype, "bfl_gradient_estimator": FLAGS.bfl_gradient_estimator,
+            "fixed_local_steps": FLAGS.fixed_local_steps,
+            "matmul_conv_max_mib": bf.models.conv.MATMUL_CONV_MAX_BYTES.get(platform, 0) / 2**20}
+
+
+def _as_flag(name: str, value) -> str:
+    if isinstance(value, bool):
+        return f"--{name}" if value else f"--no{name}"
+    return f"--{name}={value:g}" if isinstance(value, float) else f"--{name}={value}"
 
 
 def write_report(machine: dict, peak: float, bandwidth: float, data_name: str, rows: list[dict]) -> str:

@@ -170,6 +170,11 @@ def test_bench_quick_smoke_and_resume(tmp_path):
     # "vmap (default)" where the machine's cache makes one vmap the default layout
     assert re.search(r"\| mlp K=10 B=10 \| fedavg \| vmap( \(default\))? \|", (tmp_path / "bench.md").read_text())
     assert any(t["target"].startswith("default layout / fastest library variant") for t in report["targets"])
+    # resuming with another library setting would mix two kinds of rows: one line naming the stored flag
+    mixed = subprocess.run([sys.executable, "-m", "experiments.bench", "--resume", "--nofixed_local_steps", *flags],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600)
+    message = mixed.stdout + mixed.stderr
+    assert mixed.returncode != 0 and "measured with --fixed_local_steps" in message and "Traceback" not in message
 
 
 def test_bench_targets_follow_the_platform():
