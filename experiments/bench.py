@@ -220,14 +220,16 @@ def training_flops_per_sample(model, input_shape) -> float:
     return 3.0 * float(cost["flops"])
 
 
-def time_library(algorithm, fed, config: Config, backend: str, rounds: int) -> dict:
+def time_library(algorithm, fed, config: Config, backend: str, rounds: int, fixed_local_steps: bool = True) -> dict:
+    """One library configuration's ``{"compile_s", "round_s" (fastest), "median_round_s", ...}`` over ``rounds``
+    timed rounds after a warm-up; ``fixed_local_steps`` lets ``with_fixed_local_steps`` decide, as ``simulate``."""
     import jax
     from bfedjax.core import RoundConfig, init_state, make_round_step, with_fixed_local_steps, with_own_buffers
     from bfedjax.core.simulate import round_arrays, traced_hparams
     arrays = round_arrays(fed)
     round_config = RoundConfig(fed.num_clients, fed.num_clients, clients_per_chunk=config.clients_per_chunk,
                                evaluate_local=False)
-    if FLAGS.fixed_local_steps:  # as simulate decides
+    if fixed_local_steps:
         round_config = with_fixed_local_steps(round_config, arrays)
     params = algorithm.init_params(jax.random.PRNGKey(0), fed.input_shape)
     state = init_state(algorithm, params, round_config)
@@ -251,6 +253,7 @@ def time_library(algorithm, fed, config: Config, backend: str, rounds: int) -> d
         times.append(time.perf_counter() - start)
     out["compile_s"] = times[0] + out.get("compile_only_s", 0.0)  # compile + first (warm-up) round
     out["round_s"] = min(times[1:])
+    out["median_round_s"] = float(np.median(times[1:]))
     return out
 
 
@@ -381,9 +384,9 @@ def measure(backend: str, algorithm, fed, config: Config, name: str, model, roun
         return {"compile_s": first, "round_s": best}
     elif backend.startswith("vmap/c"):
         chunked = dataclasses.replace(config, clients_per_chunk=int(backend[len("vmap/c"):]))
-        return time_library(algorithm, fed, chunked, "vmap", rounds)
+        return time_library(algorithm, fed, chunked, "vmap", rounds, FLAGS.fixed_local_steps)
     else:
-        return time_library(algorithm, fed, config, backend, rounds)
+        return time_library(algorithm, fed, config, backend, rounds, FLAGS.fixed_local_steps)
     return {"compile_s": times[0], "round_s": min(times[1:])}
 
 

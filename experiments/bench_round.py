@@ -1,4 +1,4 @@
-"""Times one library round configuration: the median of 20 rounds (after two warm-up rounds).
+"""Times one library round configuration: the median of 20 rounds (after a warm-up round).
 
     python -m experiments.bench_round 100:1:fedavg:fedreg_cnn:2 100:1:fola:fola_cnn:4:bfloat16
 
@@ -11,9 +11,7 @@ finer tool its layout choices were made with (issue 18, on an H100).
 """
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 
 import numpy as np
 
@@ -31,33 +29,17 @@ def federation(k: int, shape, n: int = 100):
 
 def time_round(k: int, fixed: bool, name: str, model_name: str, matmul_conv_mib: float, dtype: str = "float32",
                rounds: int = 20) -> tuple[float, float, float]:
-    """``(compile seconds, median round seconds, fastest round seconds)``."""
+    """``(compile seconds, median round seconds, fastest round seconds)``, timed by ``bench.time_library``."""
     import jax
     import bfedjax as bf
-    from bfedjax.core import RoundConfig, init_state, make_round_step, with_fixed_local_steps, with_own_buffers
-    from bfedjax.core.simulate import round_arrays, traced_hparams
+    from experiments.bench import Config, time_library
     bf.models.conv.MATMUL_CONV_MAX_BYTES[jax.default_backend()] = int(matmul_conv_mib * 2**20)
     fed = federation(k, SHAPES[model_name])
     model = bf.models.get_model(model_name, 10, hidden=(200, 200), compute_dtype=dtype)
     options = {} if name == "bfl" else {"lr": 0.01}
     algorithm = bf.algorithms.build(name, model, fed, batch_size=10, **options).replace(evaluate=None)
-    arrays = round_arrays(fed)
-    config = RoundConfig(k, k, evaluate_local=False)
-    if fixed:
-        config = with_fixed_local_steps(config, arrays)
-    params = algorithm.init_params(jax.random.PRNGKey(0), fed.input_shape)
-    state = with_own_buffers(init_state(algorithm, params, config), params)
-    start = time.perf_counter()
-    step = make_round_step(algorithm, config, "vmap", donate_state=True).lower(
-        state, arrays, jax.random.PRNGKey(0), traced_hparams(algorithm, 1)).compile()
-    compile_s = time.perf_counter() - start
-    times = []
-    for r in range(rounds + 2):
-        start = time.perf_counter()
-        state, metrics = step(state, arrays, jax.random.PRNGKey(r), traced_hparams(algorithm, r + 1))
-        jax.block_until_ready((state, metrics))
-        times.append(time.perf_counter() - start)
-    return compile_s, statistics.median(times[2:]), min(times[2:])
+    out = time_library(algorithm, fed, Config("bench_round", "uniform", k, 10), "vmap", rounds, fixed)
+    return out["compile_only_s"], out["median_round_s"], out["round_s"]
 
 
 def main(specs: list[str]) -> None:
