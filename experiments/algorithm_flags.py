@@ -18,7 +18,7 @@ import sys
 
 from absl import app, flags
 
-from bfedjax.algorithms.bfl import RULES
+from bfedjax.algorithms.bfl import KL_DIVISORS, RULES
 from bfedjax.algorithms.fedcurv import VARIANTS as FEDCURV_VARIANTS
 from bfedjax.algorithms.fedref import LOSS_REPORTS, LOSS_TERMS, REFERENCES
 from bfedjax.algorithms.fedref import VARIANTS as FEDREF_VARIANTS
@@ -47,8 +47,9 @@ OPTION_FLAGS = {
     "lam": ("lam", ("fola", "fedcurv")),
     "mu": ("mu", ("fedprox",)),
     "clip_norm": ("clip_norm", ("fedavg", "fedprox", "fedcurv", "fola", "scaffold", "fednova", "fedref")),
-    "momentum": ("momentum", ("fedavg", "fedprox", "fedcurv", "fola", "fednova", "hbfl", "fml", "abavg", "fedref")),
-    "optimizer": ("optimizer", ("fedavg",)),
+    "momentum": ("momentum", ("fedavg", "fedprox", "fedcurv", "fola", "fednova", "hbfl", "fml", "abavg", "fedref",
+                              "bfl")),
+    "optimizer": ("optimizer", ("fedavg", "bfl")),
     "weight_decay": ("weight_decay", ("fedavg", "hbfl", "fml", "abavg")),
     "dp_clip": ("dp_clip", ("fedavg", "fedsgd", "fedprox", "fedcurv")),
     "dp_noise": ("dp_noise", ("fedavg", "fedsgd", "fedprox", "fedcurv")),
@@ -72,6 +73,11 @@ OPTION_FLAGS = {
     "gradient_estimator": ("gradient_estimator", ("bfl",)),
     "init_loc": ("init_loc", ("bfl",)),
     "init_loc_std": ("init_loc_std", ("bfl",)),
+    "kl_divisor": ("kl_divisor", ("bfl",)),
+    "kl_beta": ("kl_beta", ("bfl",)),
+    "kl_anneal_rounds": ("kl_anneal_rounds", ("bfl",)),
+    "scale_min": ("scale_min", ("bfl",)),
+    "prior_temperature": ("prior_temperature", ("bfl",)),
     "fedcurv_variant": ("variant", ("fedcurv",)),
     "fedprox_scaling": ("scaling", ("fedprox",)),
     "fedprox_detached": ("detached", ("fedprox",)),
@@ -144,7 +150,8 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     number(flags.DEFINE_float, "clip_norm", "Global-norm gradient clip; 0 disables; default per algorithm "
            "(10; fedprox, scaffold, fednova none).")
     number(flags.DEFINE_float, "momentum", "Local heavy-ball momentum (default 0; hbfl, fml, abavg 0.9).")
-    enum("optimizer", OPTIMIZERS, "fedavg: local optimiser (Fischer et al.'s baselines: adam, lr 1e-3).")
+    enum("optimizer", OPTIMIZERS, "fedavg, bfl: local optimiser (default sgd for fedavg, adam for bfl; Fischer et "
+         "al.'s baselines: adam, lr 1e-3).")
     number(flags.DEFINE_float, "weight_decay", "fedavg, abavg: L2 penalty on dense/conv kernels (Fischer et al.'s "
            "deterministic and MC-dropout baselines: 1e-4; the KL regularises the variational clients); hbfl, fml: "
            "of the local models' SGD, every leaf (default 5e-4).")
@@ -184,6 +191,14 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     enum("init_loc", INIT_LOCS, "bfl: initial posterior mean of the variational kernels (default normal: "
          "N(0, --init_loc_std^2), spec D4; he_normal; model: the zoo model's own initialiser).")
     number(flags.DEFINE_float, "init_loc_std", "bfl --init_loc=normal: its std (default 0.1).")
+    enum("kl_divisor", KL_DIVISORS, "bfl: the KL per mini-batch over the client's |D_k| (client, default: "
+         "CE + KL/|D_k|) or the federation's |D| (federation), spec D5.")
+    number(flags.DEFINE_float, "kl_beta", "bfl: an explicit beta on the KL term (default 1).")
+    number(flags.DEFINE_integer, "kl_anneal_rounds", "bfl: ramp the KL weight linearly up to --kl_beta over this "
+           "many rounds (default 0: no annealing).")
+    number(flags.DEFINE_float, "scale_min", "bfl: floor of the aggregated posterior scale (default 1e-6, spec D2).")
+    number(flags.DEFINE_float, "prior_temperature", "bfl --prior_update: temper the global-posterior prior toward "
+           "N(0, --prior_scale^2), q_g^t N(0, s^2)^(1-t) (default 1: q_g itself; spec D18).")
     # FedCurv, FedProx, SCAFFOLD, FedReg.
     enum("fedcurv_variant", FEDCURV_VARIANTS,
          "fedcurv form (previous_round: the FedReg authors'; run it with --fisher=per_sample_sq --clip_norm=0).")

@@ -20,7 +20,7 @@ import numpy as np
 from absl import app, flags, logging
 
 from bfedjax.vi import GRADIENT_ESTIMATORS, INIT_LOCS, MeanFieldConfig
-from experiments import errors
+from experiments import errors, spread
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("dataset", "digits", "Data set.")
@@ -40,6 +40,8 @@ flags.DEFINE_enum("gradient_estimator", "flipout", list(GRADIENT_ESTIMATORS),
 flags.DEFINE_enum("init_loc", MeanFieldConfig.init_loc, list(INIT_LOCS),
                   "Initial posterior mean of the variational kernels (spec D4: normal, N(0, 0.1^2)).")
 flags.DEFINE_float("dropout_rate", 0.2, "Dropout rate of the MC-dropout baseline (paper: 0.2).")
+flags.DEFINE_enum("spread", "std", list(spread.SPREADS), "What the tables' ± is: the sample std over seeds "
+                  "(std, the spec's D12 default) or the 95% confidence interval of the mean (ci95).")
 flags.DEFINE_string("results_file", None, "Markdown output (default results/bfl_rules_<dataset>.md).")
 flags.DEFINE_bool("report_only", False, "Rewrite the markdown from the saved JSON of an earlier run (no training).")
 
@@ -186,7 +188,7 @@ def write_results(rows, data):
                                              [a for a in sys.argv[1:] if a != "--report_only"]), "```", "",
              f"{FLAGS.num_clients} clients, MLP 1x{FLAGS.hidden}, B = {FLAGS.batch_size}, variational clients Adam "
              f"lr {FLAGS.lr} ({FLAGS.gradient_estimator} gradients, initial posterior mean {FLAGS.init_loc}), FedAvg SGD lr {FLAGS.fedavg_lr}, train-size weights, prior N(0, 10^2), seeds {FLAGS.seeds}; "
-             f"mean ± sample std over seeds of the final round; NLL and ECE (15 bins) of the {FLAGS.test_samples}-sample "
+             f"mean ± {spread.LABELS[FLAGS.spread]} over seeds of the final round; NLL and ECE (15 bins) of the {FLAGS.test_samples}-sample "
              "MC predictive (FedAvg: its softmax; mc_dropout: FedAvg of the same MLP with dropout "
              f"{FLAGS.dropout_rate} after the hidden layer, kept on for {FLAGS.test_samples} test passes).", ""]
     for setting in FLAGS.settings:
@@ -197,7 +199,7 @@ def write_results(rows, data):
             for (e, r, p, method), v in rows.items():
                 if (e, r, p) != (epochs, rounds, partition):
                     continue
-                fmt = lambda m, f: f"{v[m][0]:{f}} ± {v[m][1]:{f}}"
+                fmt = lambda m, f: f"{v[m][0]:{f}} ± {spread.half_width(v[m][1], len(FLAGS.seeds), FLAGS.spread):{f}}"
                 scale = "-" if np.isnan(v["scale"][0]) else fmt("scale", ".2e")
                 lines.append(f"| {method} | {fmt('accuracy', '.4f')} | {fmt('nll', '.3f')} | {fmt('ece', '.3f')} | {scale} |")
             lines += ["", f"Paper's grouping here: {verdict(rows, epochs, rounds, partition)}.", "",

@@ -9,6 +9,7 @@ import bfedjax as bf
 from bfedjax.core import RoundConfig, init_state, make_round_step
 from bfedjax.core.simulate import round_arrays, traced_hparams
 from bfedjax.metrics import uncertainty
+from bfedjax.algorithms.bfl import kl_weight
 from bfedjax.vi import MeanFieldVI
 
 
@@ -100,3 +101,114 @@ def test_bad_rule_and_weighting(vi_model):
         bf.algorithms.bfl(vi_model, (8, 8, 1), rule="median")
     with pytest.raises(ValueError, match="weighting"):
         bf.algorithms.bfl(vi_model, (8, 8, 1), weighting="loss")
+
+
+def test_kl_weight_multiplies_the_elbo_kl_by_the_analytic_kl(vi_model):
+    """Spec D5: the guide's scale multiplies TraceMeanField_ELBO's analytic KL and nothing else."""
+    vi = MeanFieldVI(vi_model, (8, 8, 1))
+    key = jax.random.PRNGKey(0)
+    x, y = jax.random.uniform(key, (6, 8, 8, 1)), jnp.arange(6) % 10
+    posterior = vi.init_posterior(key)
+    state = vi.init_svi_state(key, x, y, jnp.float32(6), posterior)
+    params = vi.svi.get_params(state)
+
+    def loss(weight):
+        return float(vi.svi.loss.loss(key, params, vi.svi.model, vi.svi.guide, x, y, jnp.ones(6), jnp.float32(6),
+                                      kl_weight=weight))
+
+    # KL[N(loc, scale) || N(0, 10^2)], summed over the variational kernels, computed here by hand.
+    kl = sum(float(jnp.sum(jnp.log(10.0 / s) + (s ** 2 + m ** 2) / 200.0 - 0.5))
+             for m, s in ((posterior["params"][layer]["kernel"], posterior["scale"][layer]["kernel"])
+                          for layer in ("Dense_0", "Dense_1")))
+    assert loss(None) == loss(1.0)
+    np.testing.assert_allclose(loss(3.0) - loss(1.0), 2.0 * kl, rtol=1e-4)
+    np.testing.assert_allclose(loss(0.25) - loss(1.0), -0.75 * kl, rtol=1e-4)
+
+
+def test_kl_weight_options():
+    count = jnp.float32(50.0)
+    assert float(kl_weight(count, 3)) == 1.0
+    assert float(kl_weight(count, 3, divisor="federation", total_size=1000)) == pytest.approx(0.05)
+    assert float(kl_weight(count, 3, beta=2.0, anneal_rounds=4)) == pytest.approx(1.5)
+    assert float(kl_weight(count, 9, beta=2.0, anneal_rounds=4)) == 2.0
+
+
+def test_kl_options_change_the_round_as_specified(digits, vi_model):
+    fed = bf.data.stack_clients(digits.x_train[:200], digits.y_train[:200], np.split(np.arange(200), 5),
+                                x_test=digits.x_test, y_test=digits.y_test, num_classes=10, name="digits")
+    params = vi_model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8, 8, 1)))["params"]
+    config = RoundConfig(num_clients=5, clients_per_round=5)
+
+    def server(round_index=1, **options):
+        algo = bf.algorithms.build("bfl", vi_model, fed, lr=0.1, local_epochs=2, batch_size=20, **options)
+        state = init_state(algo, params, config)
+        out, _ = make_round_step(algo, config, "vmap")(state, round_arrays(fed), jax.random.PRNGKey(2),
+                                                       traced_hparams(algo, round_index))
+        return out.server
+
+    default = server()
+    # A strong KL pulls the clients' means toward the prior's (0).
+    strong = server(kl_beta=1e4)
+    mean_abs = lambda s: float(jnp.mean(jnp.abs(s["params"]["Dense_0"]["kernel"])))
+    assert mean_abs(strong) < 0.8 * mean_abs(default)
+    # |D_k| / |D| = 1/5 on equal clients: the same round as an explicit beta of 1/5 (build fills |D|).
+    chex.assert_trees_all_close(server(kl_divisor="federation"), server(kl_beta=0.2), rtol=1e-4, atol=1e-6)
+    # Annealed over 4 rounds: round 1 uses beta/4, round 4 and later the full beta.
+    chex.assert_trees_all_close(server(round_index=1, kl_anneal_rounds=4), server(kl_beta=0.25), rtol=1e-4, atol=1e-6)
+    chex.assert_trees_all_equal(server(round_index=5, kl_anneal_rounds=4), server(round_index=5))
+    with pytest.raises(ValueError, match="total_size"):
+        bf.algorithms.bfl(vi_model, (8, 8, 1), kl_divisor="federation")
+    with pytest.raises(ValueError, match="kl_beta"):
+        bf.algorithms.bfl(vi_model, (8, 8, 1), kl_beta=0.0)
+
+
+def test_sgd_clients_step_along_the_elbo_gradient(vi_model):
+    """Spec D7's option: plain SGD moves each posterior mean by -lr times the ELBO loss gradient."""
+    vi = MeanFieldVI(vi_model, (8, 8, 1), bf.vi.MeanFieldConfig(optimizer="sgd"))
+    key = jax.random.PRNGKey(0)
+    x, y = jax.random.uniform(key, (6, 8, 8, 1)), jnp.arange(6) % 10
+    state = MeanFieldVI.with_learning_rate(vi.init_svi_state(key, x, y, jnp.float32(6), vi.init_posterior(key)), 0.05)
+    params, name = vi.svi.get_params(state), "net/Dense_1.kernel_auto_loc"
+    step_key = jax.random.split(state.rng_key)[1]  # the key SVI.update evaluates the loss with
+    grad = jax.grad(lambda loc: vi.svi.loss.loss(step_key, {**params, name: loc}, vi.svi.model, vi.svi.guide, x, y,
+                                                 jnp.ones(6), jnp.float32(6)))(params[name])
+    new, _ = vi.svi.update(state, x, y, jnp.ones(6), jnp.float32(6))
+    np.testing.assert_allclose(vi.svi.get_params(new)[name], params[name] - 0.05 * grad, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="optimizer"):
+        bf.vi.MeanFieldConfig(optimizer="rmsprop")
+
+
+def test_tempered_prior_is_the_normalised_product():
+    """Spec D18's option: q_g^t N(0, s_p^2)^(1-t); its log density minus the tempered sum is constant."""
+    from bfedjax.algorithms.bfl import tempered_prior
+    loc, scale = {"w": jnp.array([2.0, -0.5])}, {"w": jnp.array([1.0, 0.1])}
+    (m,), (s,) = (jax.tree.leaves(t) for t in tempered_prior(loc, scale, 0.5, 10.0))
+    z = jnp.linspace(-3.0, 3.0, 7)[:, None]
+    log_n = lambda z, mean, std: -0.5 * ((z - mean) / std) ** 2 - jnp.log(std)
+    gap = log_n(z, m, s) - (0.5 * log_n(z, loc["w"], scale["w"]) + 0.5 * log_n(z, 0.0, 10.0))
+    np.testing.assert_allclose(gap - gap[0], 0.0, atol=1e-4)
+    assert float(s[0]) > 1.0  # flatter than q_g where q_g is narrower than the prior
+    (m1,), (s1,) = (jax.tree.leaves(t) for t in tempered_prior(loc, scale, 1.0, 10.0))
+    np.testing.assert_allclose(m1, loc["w"], rtol=1e-6)
+    np.testing.assert_allclose(s1, scale["w"], rtol=1e-6)
+
+
+def test_prior_temperature_and_scale_floor_reach_the_round(small_fed, vi_model):
+    params = vi_model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8, 8, 1)))["params"]
+    config = RoundConfig(num_clients=5, clients_per_round=5)
+
+    def round_out(**options):
+        algo = bf.algorithms.bfl(vi_model, small_fed.input_shape, lr=1e-2, batch_size=16, **options)
+        state = init_state(algo, params, config)
+        return make_round_step(algo, config, "vmap")(state, round_arrays(small_fed), jax.random.PRNGKey(2),
+                                                     traced_hparams(algo, 1))
+
+    plain, _ = round_out(prior_update=True)
+    tempered, _ = round_out(prior_update=True, prior_temperature=0.5)
+    assert not np.allclose(plain.server["params"]["Dense_0"]["kernel"], tempered.server["params"]["Dense_0"]["kernel"])
+    # Conflation shrinks the scales K-fold; a floor above them raises every variational scale to it.
+    floored, metrics = round_out(rule="conflation", scale_min=0.5)
+    np.testing.assert_allclose(floored.server["scale"]["Dense_0"]["kernel"], 0.5)
+    assert int(metrics["scale_floor_hits"]) == 64 * 8 + 8 * 10
+    with pytest.raises(ValueError, match="prior_update=True"):
+        bf.algorithms.bfl(vi_model, (8, 8, 1), prior_temperature=0.5)

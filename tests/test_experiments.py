@@ -227,6 +227,29 @@ def test_bfl_rules_script_smoke(tmp_path):
     assert set(rows) == {f"1 2 shards {m}" for m in ("fedavg", "mc_dropout", "wc")}
 
 
+def test_spread_is_the_sample_std_or_a_students_t_interval():
+    from experiments import spread
+    assert spread.half_width(0.5, 3) == 0.5 and spread.half_width(0.5, 1) == 0.0
+    # t_{0.975, 2} = 4.3027 and t_{0.975, 9} = 2.2622 (the t table): half-widths t * s / sqrt(n).
+    assert spread.half_width(1.0, 3, "ci95") == pytest.approx(4.3027 / 3 ** 0.5, rel=1e-4)
+    assert spread.half_width(2.0, 10, "ci95") == pytest.approx(2.2622 * 2.0 / 10 ** 0.5, rel=1e-4)
+    with pytest.raises(ValueError, match="spread"):
+        spread.half_width(1.0, 3, "sem")
+
+
+def test_bfl_rules_report_writes_the_chosen_spread(tmp_path):
+    out_file = tmp_path / "rules.md"
+    stats = {"accuracy": [0.9, 0.01], "nll": [0.3, 0.1], "ece": [0.05, 0.02], "scale": [0.01, 0.001]}
+    out_file.with_suffix(".json").write_text(json.dumps({"1 2 iid wc": stats, "1 2 iid fedavg": stats}))
+    common = ("--report_only", "--settings=1:2", "--partitions=iid", "--rules=wc", "--seeds=0,1,2",
+              f"--results_file={out_file}")
+    _script("experiments.bfl_rules", *common)
+    assert "| wc | 0.9000 ± 0.0100 |" in out_file.read_text()
+    _script("experiments.bfl_rules", *common, "--spread=ci95")
+    text = out_file.read_text()
+    assert "| wc | 0.9000 ± 0.0248 |" in text and "95% CI half-width" in text  # 4.3027 * 0.01 / sqrt(3)
+
+
 def test_fedreg_one_class_script_smoke(tmp_path):
     out_file = tmp_path / "one_class.md"
     _script("experiments.fedreg_one_class", "--model=mlp", "--rounds=2", "--seeds=0", "--local_epochs=1",

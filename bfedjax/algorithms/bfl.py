@@ -10,7 +10,7 @@ each client's ELBO prior is the global posterior it received.
 
 Server metrics every round: ``mean_posterior_scale`` (of the variational
 leaves), ``dwc_guard_hits`` (weights whose DWC precision the guard changed)
-and ``scale_floor_hits`` (scales raised to ``SCALE_MIN``).
+and ``scale_floor_hits`` (scales raised to the floor ``scale_min``, ``SCALE_MIN`` by default).
 """
 from __future__ import annotations
 
@@ -27,6 +27,24 @@ from bfedjax.vi.meanfield import MeanFieldConfig, MeanFieldVI
 
 RULES = tuple(sorted(aggregation.RULES)) + ("dwc",)
 SCALE_MIN = 1e-6  # floor of the aggregated posterior scale (the spec's recommendation)
+KL_DIVISORS = ("client", "federation")  # the KL per mini-batch over |D_k| or over |D| (spec D5)
+
+
+def kl_weight(count, round_index, *, divisor: str = "client", total_size: int | None = None, beta=1.0,
+              anneal_rounds: int = 0):
+    """The factor on a client's KL term (spec D5), relative to the paper's loss ``CE + KL / |D_k|``.
+
+    ``count``: the client's ``|D_k|`` (``[]``); ``round_index``: the round, from 1 (``[]``, may be
+    traced). ``divisor="federation"`` gives ``CE + KL / |D|`` with ``|D| = total_size``, i.e. the
+    factor ``|D_k| / |D|``; ``beta`` multiplies the KL (an explicit beta); ``anneal_rounds > 0``
+    ramps it linearly, ``beta * min(1, r / anneal_rounds)`` (KL annealing over rounds).
+    """
+    weight = jnp.asarray(beta, jnp.float32)
+    if divisor == "federation":
+        weight = weight * count / total_size
+    if anneal_rounds > 0:
+        weight = weight * jnp.minimum(1.0, jnp.asarray(round_index, jnp.float32) / anneal_rounds)
+    return weight
 
 
 def _split(tree, variational):
@@ -48,7 +66,10 @@ def bfl(model, input_shape, *, rule: str = "wc", weighting: str = "by_size", pri
         dwc_floor_ratio: float = 1.0, prior_scale: float = 10.0, init_scale: float = MeanFieldConfig.init_scale,
         variational_biases: bool = False, train_samples: int = 1, test_samples: int = 10,
         gradient_estimator: str = "flipout", init_loc: str = MeanFieldConfig.init_loc,
-        init_loc_std: float = MeanFieldConfig.init_loc_std) -> Algorithm:
+        init_loc_std: float = MeanFieldConfig.init_loc_std, kl_divisor: str = "client",
+        total_size: int | None = None, kl_beta: float = 1.0, kl_anneal_rounds: int = 0,
+        scale_min: float = SCALE_MIN, optimizer: str = "adam", momentum: float = 0.0,
+        prior_temperature: float = 1.0) -> Algorithm:
     """Builds the algorithm.
 
     Args:
@@ -56,12 +77,25 @@ def bfl(model, input_shape, *, rule: str = "wc", weighting: str = "by_size", pri
       rule: the aggregation rule (``RULES``). weighting: client weights (``posteriors.weighting.WEIGHTINGS``;
         ``"by_size"`` uses the engine's weights, pi_n = m_n / m unless the run sets ``client_weights``).
       prior_update: each client's ELBO prior is the global posterior it received (always on for DWC).
+      prior_temperature: tau in (0, 1]: with ``prior_update``, the prior is the global posterior tempered
+        toward N(0, ``prior_scale``^2), the product ``q_g^tau N(0, prior_scale^2)^(1 - tau)`` per weight
+        (spec D18's option; 1: ``q_g`` itself).
       dwc_guard, dwc_floor_ratio: how DWC treats weights whose Eq. 17 precision is not positive
         (``aggregation.distributed_weight_consolidation``).
       prior_scale, init_scale, variational_biases, train_samples, test_samples, gradient_estimator: the
-        variational clients' ``vi.MeanFieldConfig``; ``lr`` is their Adam step.
+        variational clients' ``vi.MeanFieldConfig``; ``lr`` is their optimiser's step.
+      optimizer, momentum: the clients' optimiser (spec D7): ``"adam"`` (default) or ``"sgd"`` with
+        heavy-ball ``momentum``; its state starts afresh every round.
+      scale_min: the floor of the aggregated posterior scale (spec D2; ``SCALE_MIN`` = 1e-6); the
+        ``scale_floor_hits`` metric counts the weights raised to it.
       init_loc, init_loc_std: the initial posterior mean (``vi.MeanFieldConfig``, spec D4), which the
         ``init_params`` hook draws.
+      kl_divisor, total_size, kl_beta, kl_anneal_rounds: the KL weight per mini-batch (spec D5,
+        ``kl_weight``): the loss is ``CE + KL / |D_k|`` by default; ``kl_divisor="federation"`` divides
+        by the federation's ``total_size`` ``|D|`` instead (``build(..., fed=...)`` fills it);
+        ``kl_beta`` multiplies the KL (a round hyper-parameter, so ``simulate(hparams_fn=...)`` can
+        schedule it); ``kl_anneal_rounds`` ramps it linearly from ``kl_beta / kl_anneal_rounds``
+        in round 1 to ``kl_beta`` from round ``kl_anneal_rounds`` on.
 
     The server state is ``{"params": loc, "scale": scale}``; GA evaluates the
     posterior mean, and ``predict`` is the MC predictive of the posterior.
@@ -72,28 +106,51 @@ def bfl(model, input_shape, *, rule: str = "wc", weighting: str = "by_size", pri
         raise ValueError(f"dwc_guard={dwc_guard!r}; choose one of {aggregation.DWC_GUARDS}")
     if weighting not in weightings.WEIGHTINGS:
         raise ValueError(f"weighting={weighting!r}; choose one of {weightings.WEIGHTINGS}")
+    if kl_divisor not in KL_DIVISORS:
+        raise ValueError(f"kl_divisor={kl_divisor!r}; choose one of {KL_DIVISORS}")
+    if kl_divisor == "federation" and not (total_size or 0) > 0:
+        raise ValueError("kl_divisor='federation' needs the federation's size; fix: pass total_size=|D| "
+                         "or build the algorithm with fed=...")
+    if not kl_beta > 0:
+        raise ValueError(f"kl_beta={kl_beta} must be > 0, e.g. 1.0 (the paper's KL / |D_k|)")
+    if not scale_min > 0:
+        raise ValueError(f"scale_min={scale_min} must be > 0, e.g. {SCALE_MIN}")
+    if not 0 < prior_temperature <= 1:
+        raise ValueError(f"prior_temperature={prior_temperature} must be in (0, 1] (1: the global posterior itself)")
+    if prior_temperature < 1 and not (prior_update or rule == "dwc"):
+        raise ValueError(f"prior_temperature={prior_temperature} tempers the updated prior; fix: add prior_update=True")
+    if kl_anneal_rounds < 0:
+        raise ValueError(f"kl_anneal_rounds={kl_anneal_rounds} must be >= 0 (0: no annealing)")
     config = MeanFieldConfig(prior_scale=prior_scale, init_scale=init_scale, variational_biases=variational_biases,
                              train_samples=train_samples, test_samples=test_samples, learning_rate=lr,
-                             gradient_estimator=gradient_estimator, init_loc=init_loc, init_loc_std=init_loc_std)
+                             gradient_estimator=gradient_estimator, init_loc=init_loc, init_loc_std=init_loc_std,
+                             optimizer=optimizer, momentum=momentum)
     vi = MeanFieldVI(model, input_shape, config)
     use_prior = prior_update or rule == "dwc"
 
     def prior_args(server):
         if not use_prior:
             return ()
-        return server["params"], jax.tree.map(lambda s: jnp.maximum(s, SCALE_MIN), _scale_or_one(server["scale"]))
+        scale = jax.tree.map(lambda s: jnp.maximum(s, scale_min), _scale_or_one(server["scale"]))
+        if prior_temperature == 1:
+            return server["params"], scale
+        return tempered_prior(server["params"], scale, prior_temperature, prior_scale)
+
+    def client_kl_weight(ctx):
+        return kl_weight(ctx.data.count.astype(jnp.float32), ctx.hparams["round"], divisor=kl_divisor,
+                         total_size=total_size, beta=ctx.hparams["kl_beta"], anneal_rounds=kl_anneal_rounds)
 
     def client_init(ctx, key):
         d = ctx.data
         rows = min(batch_size, d.y.shape[0])
         state = vi.init_svi_state(key, d.x[:rows], d.y[:rows], d.count.astype(jnp.float32), ctx.server,
-                                  *prior_args(ctx.server))
+                                  *prior_args(ctx.server), kl_weight=client_kl_weight(ctx))
         return vi.with_learning_rate(state, ctx.hparams["lr"])  # traced: a schedule never recompiles
 
     def client_step(state, batch, ctx, key):
         del key  # SVI carries its own per-client key
         state, _ = vi.svi.update(state, batch.x, batch.y, batch.mask, ctx.data.count.astype(jnp.float32),
-                                 *prior_args(ctx.server))
+                                 *prior_args(ctx.server), kl_weight=client_kl_weight(ctx))
         return state
 
     def client_final(state, ctx):
@@ -125,8 +182,8 @@ def bfl(model, input_shape, *, rule: str = "wc", weighting: str = "by_size", pri
         else:
             fused = aggregation.aggregate(rule, stacked, w, mask=mask)
         scale = {p: jax.lax.rsqrt(prec) for p, prec in fused.precision.items()}
-        floor_hits = sum(jnp.sum(s < SCALE_MIN) for s in scale.values())
-        scale = {p: jnp.maximum(s, SCALE_MIN) for p, s in scale.items()}
+        floor_hits = sum(jnp.sum(s < scale_min) for s in scale.values())
+        scale = {p: jnp.maximum(s, scale_min) for p, s in scale.items()}
         det_mean = {p: jnp.tensordot(w, v, 1) for p, v in det.items()}
         params = traverse_util.unflatten_dict({**fused.mean, **det_mean})
         scales = traverse_util.unflatten_dict({**scale, **{p: jnp.zeros_like(v) for p, v in det_mean.items()}})
@@ -149,7 +206,21 @@ def bfl(model, input_shape, *, rule: str = "wc", weighting: str = "by_size", pri
     return Algorithm(
         name=f"bfl_{rule}", server_init=vi.posterior_from_params, client_init=client_init, client_step=client_step,
         client_final=client_final, server_update=server_update, evaluate=task.evaluate, predict=predict,
-        init_params=init_params, hparams={"lr": lr}, local_epochs=local_epochs, batch_size=batch_size)
+        init_params=init_params, hparams={"lr": lr, "kl_beta": kl_beta}, local_epochs=local_epochs,
+        batch_size=batch_size)
+
+
+def tempered_prior(loc, scale, temperature: float, prior_scale: float):
+    """``(loc, scale)`` trees of ``N(loc, scale^2)^t N(0, prior_scale^2)^(1 - t)``, normalised, per weight.
+
+    Precision ``t / scale^2 + (1 - t) / prior_scale^2``, mean ``(t loc / scale^2) / precision``.
+    """
+    def one(m, s):
+        precision = temperature / jnp.square(s) + (1.0 - temperature) / prior_scale ** 2
+        return temperature * m / jnp.square(s) / precision, jax.lax.rsqrt(precision)
+    pairs = jax.tree.map(one, loc, scale)
+    is_pair = lambda x: isinstance(x, tuple)
+    return (jax.tree.map(lambda p: p[0], pairs, is_leaf=is_pair), jax.tree.map(lambda p: p[1], pairs, is_leaf=is_pair))
 
 
 def _scale_or_one(scale_tree):

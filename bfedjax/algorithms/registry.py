@@ -45,6 +45,7 @@ FROM_DATA = {
     "input_shape": lambda fed: fed.input_shape,
     "num_clients": lambda fed: fed.num_clients,
     "client_size": lambda fed: fed.max_n,
+    "total_size": lambda fed: int(fed.counts.sum()),
 }
 
 # Factories that take extra keyword options (``**options``) from a config dataclass.
@@ -67,7 +68,8 @@ def build(name: str, model, fed=None, **options) -> Algorithm:
       name: a key of ``ALGORITHMS``.
       model: the Flax module the clients train.
       fed: optional ``data.FederatedData``; fills ``input_shape`` (bfl, hbfl, fml), ``num_clients``
-        (scaffold) and ``client_size`` (fedsgd) when they are not among ``options``.
+        (scaffold), ``client_size`` (fedsgd) and ``total_size`` (bfl, the federation's training
+        samples) when they are not among ``options``.
       options: the factory's keyword arguments, e.g. ``lr=0.01, lam=1e3`` for FOLA.
     Raises:
       ValueError: for an unknown name or option, naming the valid ones.
@@ -77,9 +79,10 @@ def build(name: str, model, fed=None, **options) -> Algorithm:
     unknown = sorted(set(options) - set(valid))
     if unknown:
         raise ValueError(f"{name} has no option {', '.join(unknown)}; its options are {', '.join(valid)}")
-    required = [p.name for p in list(inspect.signature(factory).parameters.values())[1:]
-                if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
-    for option in required:
+    parameters = [p for p in list(inspect.signature(factory).parameters.values())[1:]
+                  if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    required = [p.name for p in parameters if p.default is inspect.Parameter.empty]
+    for option in (p.name for p in parameters if p.default is inspect.Parameter.empty or p.default is None):
         if option not in options and option in FROM_DATA and fed is not None:
             options[option] = FROM_DATA[option](fed)
     missing = [option for option in required if option not in options]

@@ -2,7 +2,7 @@
 reparameterisation)."""
 from bfedjax.vi.layer_noise import (flipout_apply, flipout_interceptor, local_reparameterization_apply,
                                     local_reparameterization_interceptor)
-from bfedjax.vi.meanfield import GRADIENT_ESTIMATORS, INIT_LOCS, MeanFieldConfig, MeanFieldVI
+from bfedjax.vi.meanfield import GRADIENT_ESTIMATORS, INIT_LOCS, OPTIMIZERS, MeanFieldConfig, MeanFieldVI
 
-__all__ = ["GRADIENT_ESTIMATORS", "INIT_LOCS", "MeanFieldConfig", "MeanFieldVI", "flipout_apply", "flipout_interceptor",
+__all__ = ["GRADIENT_ESTIMATORS", "INIT_LOCS", "OPTIMIZERS", "MeanFieldConfig", "MeanFieldVI", "flipout_apply", "flipout_interceptor",
            "local_reparameterization_apply", "local_reparameterization_interceptor"]

@@ -48,6 +48,7 @@ NET = "net"
 STATE = f"{NET}$state"
 GRADIENT_ESTIMATORS = ("flipout", "local_reparameterization", "reparameterization")
 INIT_LOCS = ("normal", "he_normal", "model")  # the initial posterior mean of the variational leaves
+OPTIMIZERS = ("adam", "sgd")
 
 
 def _path_name(path: tuple) -> str:
@@ -78,7 +79,9 @@ class MeanFieldConfig:
       variational_biases: put a prior and a posterior on dense/conv biases too (default: point
         estimates); normalisation layers stay deterministic.
       train_samples: MC samples of the ELBO (``test_samples``: of the predictive).
-      learning_rate: Adam step (the paper's 1e-3, fresh state every round).
+      learning_rate: the optimiser's step (the paper's 1e-3, fresh state every round).
+      optimizer: ``"adam"`` (default, the spec's D7 reading of "a variant of SGD") or ``"sgd"``, with
+        heavy-ball ``momentum`` (0: plain SGD; ignored by Adam).
       gradient_estimator: of the expected log-likelihood: ``"flipout"`` (default: per-example
         sign-flipped kernel noise in every dense and conv layer; variational biases are sampled
         once per pass), ``"local_reparameterization"`` (every dense and conv output unit drawn
@@ -96,8 +99,14 @@ class MeanFieldConfig:
     test_samples: int = 10
     learning_rate: float = 1e-3
     gradient_estimator: str = "flipout"
+    optimizer: str = "adam"
+    momentum: float = 0.0
 
     def __post_init__(self):
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer={self.optimizer!r}; choose one of {OPTIMIZERS}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"momentum={self.momentum} must be in [0, 1), e.g. 0.9")
         if self.gradient_estimator not in GRADIENT_ESTIMATORS:
             raise ValueError(f"gradient_estimator={self.gradient_estimator!r}; choose one of {GRADIENT_ESTIMATORS}")
         if self.init_loc not in INIT_LOCS:
@@ -122,15 +131,31 @@ class MeanFieldVI:
                        if _is_variational(path, config.variational_biases)}
         self.variational = frozenset(_path_name(p) for p in self._sites.values())
         """Dotted paths of the variational leaves in the wire (engine) tree."""
-        self.guide = AutoNormal(self.numpyro_model, init_scale=config.init_scale)
+        self._auto_guide = AutoNormal(self.numpyro_model, init_scale=config.init_scale)
         # the learning rate is a hyper-parameter in the optimiser state, so a round can set it (traced)
-        self.svi = SVI(self.numpyro_model, self.guide, optax.inject_hyperparams(optax.adam)(config.learning_rate),
-                       TraceMeanField_ELBO(num_particles=config.train_samples))
+        optimizer = (optax.inject_hyperparams(optax.adam)(config.learning_rate) if config.optimizer == "adam" else
+                     optax.inject_hyperparams(optax.sgd)(config.learning_rate, momentum=config.momentum or None))
+        self.svi = SVI(self.numpyro_model, self.guide, optimizer, TraceMeanField_ELBO(num_particles=config.train_samples))
 
     # -- the probabilistic model ------------------------------------------------------------
 
-    def numpyro_model(self, x, y, mask, count, prior_loc=None, prior_scale=None):
-        """x ``[B, ...]``, y ``[B]``, mask ``[B]``, count ``[]``; optional prior pytrees (global posterior)."""
+    def guide(self, *args, kl_weight=None, **kwargs):
+        """The ``AutoNormal`` guide; ``kl_weight`` (``[]``, may be traced, > 0) multiplies the ELBO's KL term.
+
+        ``TraceMeanField_ELBO`` scales each latent site's analytic KL by the guide site's
+        scale, so the guide runs under ``numpyro.handlers.scale``. ``None``: the KL as is.
+        """
+        if kl_weight is None:
+            return self._auto_guide(*args, **kwargs)
+        with numpyro.handlers.scale(scale=kl_weight):
+            return self._auto_guide(*args, **kwargs)
+
+    def numpyro_model(self, x, y, mask, count, prior_loc=None, prior_scale=None, kl_weight=None):
+        """x ``[B, ...]``, y ``[B]``, mask ``[B]``, count ``[]``; optional prior pytrees (global posterior).
+
+        ``kl_weight`` is the guide's (``guide``); the model ignores it.
+        """
+        del kl_weight
 
         if prior_loc is None:
             prior = {name: dist.Normal(0.0, self.config.prior_scale) for name in self._sites}
@@ -246,24 +271,25 @@ class MeanFieldVI:
                      else jnp.zeros_like(v)) for p, v in flat.items()}
         return {"params": params, "scale": traverse_util.unflatten_dict(scale)}
 
-    def init_svi_state(self, key, x, y, count, posterior: dict, *prior):
+    def init_svi_state(self, key, x, y, count, posterior: dict, *prior, kl_weight=None):
         """SVI state of a client starting from ``posterior`` (wire form), fitted to batches like ``x [B, ...]``.
 
         ``x``, ``y`` only fix shapes. BatchNorm statistics start from the
-        posterior's (the init trace's own update of them is discarded).
+        posterior's (the init trace's own update of them is discarded). ``kl_weight``: as ``guide``'s;
+        give it here when the steps (``svi.update``) give it.
         """
-        state = self.svi.init(key, x, y, jnp.ones(y.shape[0]), count, *prior, init_params=self.svi_params(posterior))
+        state = self.svi.init(key, x, y, jnp.ones(y.shape[0]), count, *prior, kl_weight=kl_weight,
+                              init_params=self.svi_params(posterior))
         if self.stateful:
             state = state._replace(mutable_state={STATE: {"batch_stats": posterior["params"]["batch_stats"]}})
         return state
 
     @staticmethod
     def with_learning_rate(state, learning_rate):
-        """``state`` (an ``SVIState``) with Adam's learning rate set to ``learning_rate`` (may be traced)."""
-        step, (params, adam) = state.optim_state
-        adam = adam._replace(hyperparams={**adam.hyperparams,
-                                          "learning_rate": jnp.asarray(learning_rate, jnp.float32)})
-        return state._replace(optim_state=(step, (params, adam)))
+        """``state`` (an ``SVIState``) with the optimiser's learning rate set to ``learning_rate`` (may be traced)."""
+        step, (params, opt) = state.optim_state
+        opt = opt._replace(hyperparams={**opt.hyperparams, "learning_rate": jnp.asarray(learning_rate, jnp.float32)})
+        return state._replace(optim_state=(step, (params, opt)))
 
     def predict_proba(self, posterior: dict, x, key, num_samples: int | None = None):
         """MC class probabilities ``[M, T, C]`` of inputs ``x [T, ...]`` under the posterior."""
