@@ -15,16 +15,19 @@ from bfedjax.models.zoo import (
     MODELS,
     MLP,
     FolaCNN,
+    McMahanCNN,
     LeNet,
     Logistic,
     compute_dtype_of,
     get_model,
     init_params,
+    local_response_normalization,
     num_params,
 )
 
 __all__ = [
-    "Logistic", "MLP", "FolaCNN", "LeNet", "CNN1", "CNN2", "CNN2Trunk", "FedRegCNN", "ResNet20", "UNet",
+    "Logistic", "MLP", "FolaCNN", "LeNet", "CNN1", "CNN2", "CNN2Trunk", "FedRegCNN", "McMahanCNN", "ResNet20", "UNet",
     "MODELS", "DROPOUT_MODELS", "COMPUTE_DTYPES", "compute_dtype_of", "get_model", "init_params", "num_params",
-    "client_architectures", "parse_architectures", "apply", "apply_fn_of", "train_apply_fn_of", "mc_predict_proba",
+    "local_response_normalization", "client_architectures", "parse_architectures", "apply", "apply_fn_of",
+    "train_apply_fn_of", "mc_predict_proba",
 ]
