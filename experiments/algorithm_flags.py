@@ -62,6 +62,7 @@ OPTION_FLAGS = {
     "gamma": ("gamma", ("fola",)),
     "prior_grad": ("prior_grad", ("fola",)),
     "prune_p": ("prune_p", ("fola",)),
+    "fixed_pi": ("fixed_pi", ("fola",)),
     "rule": ("rule", ("bfl",)),
     "weighting": ("weighting", ("bfl",)),
     "dwc_guard": ("dwc_guard", ("bfl",)),
@@ -170,6 +171,8 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     boolean("prior_grad", "fola: False detaches the prior as in the released code.")
     number(flags.DEFINE_float, "prune_p", "fola: parameter compression, each client keeps the top prune_p fraction "
            "of every tensor's precision and sends the mean of the rest (the authors' --pruing_p; default off).")
+    boolean("fixed_pi", "fola: under partial participation keep pi_n = m_n/m (the aggregated precision shrinks by the "
+            "cohort's sum of pi_n; spec D23) instead of renormalising over the active clients (default).")
     # Fischer et al.
     enum("rule", RULES,
          "bfl: aggregation rule (default wc).")

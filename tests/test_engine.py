@@ -387,6 +387,43 @@ def test_a_cohort_whose_clients_all_weigh_zero_keeps_the_server(small_fed, tiny_
     assert moved and kept  # both kinds of cohort were drawn
 
 
+def _cohort_weight_probe(bad_count: int):
+    """A streaming algorithm that reports the ``cohort_weight`` its aggregation gets; the client holding
+    ``bad_count`` samples sends NaN (so the engine leaves it out)."""
+    def client_final(local, ctx):
+        del local
+        nan = jnp.where(ctx.data.count == bad_count, jnp.nan, 0.0)
+        return {"params": jax.tree.map(lambda p: p + nan, ctx.server["params"])}, (), {}
+
+    def server_from_stats(server, stats, mask, hparams, key):
+        del stats, mask, key
+        return server, {"cohort_weight": hparams["cohort_weight"]}
+
+    return bf.Algorithm("cohort_weight_probe", server_init=lambda params: {"params": params},
+                        client_init=lambda ctx, key: jnp.zeros(()), client_step=lambda local, batch, ctx, key: local,
+                        client_final=client_final, client_stats=lambda message: message,
+                        server_from_stats=server_from_stats)
+
+
+@pytest.mark.parametrize("chunk", [None, 2])  # finish_round, and the streamed chunks' running sum
+def test_the_aggregation_gets_the_cohorts_share_of_the_base_weight(chunk, small_fed):
+    """``hparams["cohort_weight"]`` = sum_{n in A} pi_n over the kept real clients; exactly 1 for everybody."""
+    pi = small_fed.weights.astype(np.float64)
+    run = lambda algo, k: bf.simulate(algo, small_fed, rounds=1, key=jax.random.PRNGKey(0), clients_per_round=k,
+                                      clients_per_chunk=chunk, init_params={"w": jnp.zeros(2)}).metrics
+    assert run(_cohort_weight_probe(-1), 5)["cohort_weight"] == [1.0]
+    cohort = bf.core.sample_cohort(RoundConfig(5, 3, clients_per_chunk=chunk), round_arrays(small_fed),
+                                   jax.random.fold_in(jax.random.PRNGKey(0), 1))
+    real = np.asarray(cohort.ids)[np.asarray(cohort.mask) > 0]
+    assert len(real) == 3 and len(set(small_fed.counts)) == 5  # one client per count
+    np.testing.assert_allclose(run(_cohort_weight_probe(-1), 3)["cohort_weight"], [pi[real].sum()], rtol=1e-6)
+    dropped = run(_cohort_weight_probe(int(small_fed.counts[real[0]])), 3)
+    assert dropped["nonfinite_clients"] == [1.0]
+    np.testing.assert_allclose(dropped["cohort_weight"], [pi[real[1:]].sum()], rtol=1e-6)
+    with pytest.raises(ValueError, match="'cohort_weight' is the engine's hyper-parameter; fix: rename"):
+        _cohort_weight_probe(-1).replace(hparams={"cohort_weight": 1.0})
+
+
 def test_metric_shapes_and_names_are_checked(small_fed):
     probe = _probe()
     vector = probe.replace(client_final=lambda local, ctx: ({"params": ctx.server["params"]}, (), {"v": jnp.ones(2)}))

@@ -1,4 +1,6 @@
-"""FOLA's options beyond the engine tests (tests/test_algorithms.py): parameter compression (spec D21)."""
+"""FOLA's options beyond the engine tests (tests/test_algorithms.py): parameter compression (spec D21) and
+fixed pi under partial participation (spec D23)."""
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,7 +8,7 @@ import pytest
 
 import bfedjax as bf
 from bfedjax.algorithms.fola import prune_precision
-from bfedjax.core import RoundConfig, init_state, make_round_step
+from bfedjax.core import ClientContext, ClientData, RoundConfig, init_state, local_training, make_round_step, sample_cohort
 from bfedjax.core.simulate import round_arrays, traced_hparams
 
 
@@ -37,3 +39,52 @@ def test_compressed_fola_clients_send_few_distinct_precisions(small_fed):
     kernel = outs[0.1]["precision"]["Dense_0"]["kernel"]  # [64, 16]: the product of two clients' compressed ones
     assert len(np.unique(np.asarray(kernel))) < 0.3 * kernel.size
     assert len(np.unique(np.asarray(outs[None]["precision"]["Dense_0"]["kernel"]))) > 0.6 * kernel.size
+
+
+def _fola_round(fed, model, params, config, rounds=1, **options):
+    algo = bf.algorithms.fola(model, lr=0.1, lam=1.0, batch_size=16, **options)
+    step, arrays, state = make_round_step(algo, config), round_arrays(fed), init_state(algo, params, config)
+    for r in range(1, rounds + 1):
+        state, _ = step(state, arrays, jax.random.PRNGKey(r), traced_hparams(algo, r))
+    return algo, state.server
+
+
+def test_fixed_pi_aggregates_the_active_clients_with_their_own_weights(small_fed, tiny_model, tiny_params):
+    """Spec D23, 2 of 5 clients: omega_S = sum_{n in A} pi_n omega_n and mu_S = sum pi_n omega_n theta_n /
+    (omega_S + eps), from the clients' messages trained outside the engine (not the default's omega_S / sum_A pi)."""
+    config = RoundConfig(small_fed.num_clients, 2)
+    algo, fixed = _fola_round(small_fed, tiny_model, tiny_params, config, fixed_pi=True)
+    cohort = sample_cohort(config, round_arrays(small_fed), jax.random.PRNGKey(1))
+    ids = np.asarray(cohort.ids)
+    ctx = lambda n: ClientContext(algo.server_init(tiny_params), (), ClientData(
+        jnp.asarray(small_fed.x[n]), jnp.asarray(small_fed.y[n]), jnp.int32(small_fed.counts[n])), traced_hparams(algo, 1))
+    train = jax.jit(lambda ctx, key: local_training(algo, ctx, key)[0])
+    messages = [train(ctx(n), cohort.keys[i]) for i, n in enumerate(ids)]
+    pi = small_fed.weights[ids]
+    weigh = lambda trees: jax.tree.map(lambda *w: sum(p * x for p, x in zip(pi, w)), *trees)
+    precision = weigh([m["precision"] for m in messages])
+    weighted = weigh([jax.tree.map(jnp.multiply, m["precision"], m["params"]) for m in messages])
+    chex.assert_trees_all_close(fixed["precision"], precision, rtol=1e-5, atol=1e-12)
+    chex.assert_trees_all_close(fixed["params"], jax.tree.map(lambda a, w: a / (w + 1e-5), weighted, precision),
+                                rtol=1e-4, atol=1e-6)
+    assert 0.1 < pi.sum() < 0.9  # the default's renormalised precision is larger by 1 / sum_A pi
+    kernel = np.asarray(fixed["precision"]["Dense_0"]["kernel"])
+    assert not np.allclose(kernel, np.asarray(precision["Dense_0"]["kernel"]) / pi.sum(), rtol=1e-2)
+
+
+def test_fixed_pi_changes_nothing_under_full_participation(small_fed, tiny_model, tiny_params):
+    config = RoundConfig(small_fed.num_clients, small_fed.num_clients)
+    _, fixed = _fola_round(small_fed, tiny_model, tiny_params, config, rounds=2, fixed_pi=True)
+    _, default = _fola_round(small_fed, tiny_model, tiny_params, config, rounds=2)
+    chex.assert_trees_all_equal(fixed, default)
+
+
+def test_fixed_pi_errors_name_the_fix(tiny_model):
+    with pytest.raises(ValueError, match="FOLA fixed_pi='yes' must be a bool; fix: fixed_pi=True"):
+        bf.algorithms.fola(tiny_model, fixed_pi="yes")
+    algo = bf.algorithms.fola(tiny_model, fixed_pi=True)
+    stats = ({"w": jnp.ones(2)}, {"w": jnp.ones(2)})
+    with pytest.raises(ValueError, match="needs hparams\\['cohort_weight'\\].*fix: aggregate through the engine"):
+        algo.server_from_stats(None, stats, jnp.ones(2), {"round": jnp.int32(1)}, None)
+    server, _ = algo.server_from_stats(None, stats, jnp.ones(2), {"cohort_weight": jnp.float32(0.25)}, None)
+    np.testing.assert_allclose(server["precision"]["w"], 0.25)

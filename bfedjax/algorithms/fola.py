@@ -27,6 +27,13 @@ prune_p                parameter compression (the authors' ``--pruing_p``, off b
                        client keeps the top ``prune_p`` fraction of every tensor's precision and
                        replaces the rest by their mean (``prune_precision``)
 
+fixed_pi               weights under partial participation (spec D23): False (the code's)
+                       renormalises pi over the active clients A, pi_n / sum_{k in A} pi_k;
+                       True keeps pi_n = m_n / m, so omega_S = sum_{n in A} pi_n omega_n is
+                       smaller by the cohort's share sum_{n in A} pi_n (the engine's
+                       ``hparams["cohort_weight"]``) and mu_S = sum pi_n omega_n theta_n /
+                       (omega_S + eps). With full participation both are the same
+
 precision_diagnostics  report the spec's precision diagnostics (section 7) as server
                        metrics every round: ``precision_below_eps``, the share of
                        coordinates with Lambda_S < eps, and ``precision_median`` (a
@@ -45,7 +52,7 @@ import jax
 import jax.numpy as jnp
 
 from bfedjax.algorithms.local_sgd import make_sgd_client
-from bfedjax.core.types import Algorithm
+from bfedjax.core.types import COHORT_WEIGHT, Algorithm
 from bfedjax.laplace.fisher import FISHER_ESTIMATORS, offline_fisher
 from bfedjax.models.apply import apply_fn_of
 from bfedjax.posteriors.aggregation import gaussian_product_from_stats, gaussian_product_stats
@@ -71,6 +78,7 @@ class FolaConfig:
     clip_norm: float | None = 10.0
     momentum: float = 0.0
     prune_p: float | None = None
+    fixed_pi: bool = False
     precision_diagnostics: bool = True
 
     def __post_init__(self):
@@ -83,6 +91,9 @@ class FolaConfig:
                 raise ValueError(f"FOLA {name}={getattr(self, name)} must be >= 0")
         if self.prune_p is not None and not 0.0 < self.prune_p < 1.0:
             raise ValueError(f"FOLA prune_p={self.prune_p} must be in (0, 1), e.g. 0.1 (None: no compression)")
+        if not isinstance(self.fixed_pi, bool):
+            raise ValueError(f"FOLA fixed_pi={self.fixed_pi!r} must be a bool; fix: fixed_pi=True keeps pi_n = m_n/m "
+                             "under partial participation, False (default) renormalises over the active clients")
 
 
 def _check(name, value, allowed):
@@ -173,10 +184,21 @@ def fola(model, *, lr: float = 0.01, lam: float = 1e3, local_epochs: int = 1, ba
         return gaussian_product_stats(DiagGaussian(message["params"], message["precision"]))
 
     def server_from_stats(server, stats, mask, hparams, key):
-        del server, mask, hparams, key
+        """``stats = (sum_c w_c omega_c theta_c, sum_c w_c omega_c)`` with ``w [C]`` summing to 1; ``fixed_pi``
+        scales both by ``hparams["cohort_weight"]`` (``[]``), making the weights the un-renormalised pi_n."""
+        del server, mask, key
+        if cfg.fixed_pi:
+            stats = scaled_to_fixed_pi(stats, hparams)
         posterior = gaussian_product_from_stats(stats, cfg.eps)
         metrics = precision_diagnostics(posterior.precision) if cfg.precision_diagnostics else {}
         return {"params": posterior.mean, "precision": posterior.precision}, metrics
+
+    def scaled_to_fixed_pi(stats, hparams):
+        if COHORT_WEIGHT not in (hparams or {}):
+            raise ValueError(f"FOLA fixed_pi needs hparams[{COHORT_WEIGHT!r}], the cohort's sum of pi_n; fix: aggregate "
+                             "through the engine (finish_round / make_round_step), which adds it")
+        share = hparams[COHORT_WEIGHT]
+        return jax.tree.map(lambda s: s * jnp.asarray(share, s.dtype), stats)
 
     def precision_diagnostics(precision):
         """Spec section 7: share of coordinates with Lambda_S < eps and the median Lambda_S."""

@@ -12,9 +12,12 @@ aggregates, and calls the algorithm's evaluate hook, all inside one
 changing them never recompiles. The engine knows no method and no task.
 
 The cohort is ``ids [Kp]`` (client indices; ``N`` marks a padding slot),
-``mask [Kp]`` (1 for a real client) and ``weights [Kp]`` (the real clients'
-share of the aggregate). A padding slot never trains on data, never counts in
-an aggregate or a metric, and never writes persistent state. Sampling draws
+``mask [Kp]`` (1 for a real client), ``weights [Kp]`` (the real clients'
+share of the aggregate, renormalised to sum to 1) and ``total []`` (the
+cohort's share of the federation's base weight, sum_{n in A} pi_n; 1 when
+everybody takes part), which the aggregation reads as
+``hparams["cohort_weight"]`` (FOLA's ``fixed_pi``). A padding slot never
+trains on data, never counts in an aggregate or a metric, and never writes persistent state. Sampling draws
 among the federation's real clients whatever their weights; a round whose
 real clients all weigh zero keeps the server state (their persistent state
 still moves).
@@ -61,7 +64,7 @@ import numpy as np
 
 from bfedjax.core.attacks import Attack, attacked_messages
 from bfedjax.core.batching import batch_is_real, epoch_permutation, steps_per_epoch, take_batch
-from bfedjax.core.types import Algorithm, ClientContext, ClientData
+from bfedjax.core.types import COHORT_WEIGHT, Algorithm, ClientContext, ClientData
 from bfedjax.tree import tree_stack, weighted_sum
 
 BACKENDS = ("vmap", "sequential", "stepwise", "debug")
@@ -308,13 +311,19 @@ class Cohort(NamedTuple):
     """The clients of one round. ids: ``[Kp]`` client index (``N`` on padding slots);
     mask: ``[Kp]`` 1 for a real client; weights: ``[Kp]`` sum to 1 over the real clients;
     keys: ``[Kp]`` per-client keys (depend on the round key and the client id only);
-    budgets: ``[Kp]`` int32 local steps each client may take this round (``NO_BUDGET``: all)."""
+    budgets: ``[Kp]`` int32 local steps each client may take this round (``NO_BUDGET``: all);
+    total: ``[]`` float32 the real clients' weights before renormalisation over the federation's base
+    weights, ``sum_{n in A} pi_n / sum_n pi_n`` (``pi_n x_n / E`` for ``by_epochs`` stragglers; exactly 1
+    when everybody takes part at their base weight; a client left out for non-finite values counts
+    as absent), so ``total * weights`` are the un-renormalised weights. The aggregation receives it
+    as ``hparams["cohort_weight"]``."""
 
     ids: jax.Array
     mask: jax.Array
     weights: jax.Array
     keys: jax.Array
     budgets: jax.Array
+    total: jax.Array
 
 
 def straggler_epochs(config: RoundConfig, arrays: RoundArrays, key: jax.Array, local_epochs: int) -> jax.Array:
@@ -380,7 +389,12 @@ def sample_cohort(config: RoundConfig, arrays: RoundArrays, key, batch_size: int
         if config.straggler_weighting == "by_epochs":
             raw = raw * epochs / local_epochs
     weights = raw / jnp.maximum(jnp.sum(raw), 1e-30)
-    return Cohort(ids, mask, weights, keys, budgets)
+    if k == n and not (config.straggler_fraction > 0 and config.straggler_weighting == "by_epochs"):
+        total = jnp.float32(1.0)  # everybody at their base weight: exactly 1
+    else:
+        federation = jnp.sum(jnp.where(arrays.client_mask > 0, arrays.base_weights, 0.0))
+        total = jnp.sum(raw) / jnp.maximum(federation, 1e-30)
+    return Cohort(ids, mask, weights, keys, budgets, total.astype(jnp.float32))
 
 
 def server_key_of(round_key: jax.Array) -> jax.Array:
@@ -471,7 +485,8 @@ def _group_cohorts(config: RoundConfig, cohort: Cohort):
         real = positions < kp
         take = lambda a: a[jnp.minimum(positions, kp - 1)]
         sub = Cohort(jnp.where(real, take(cohort.ids), n), jnp.where(real, take(cohort.mask), 0.0),
-                     jnp.where(real, take(cohort.weights), 0.0), take(cohort.keys), take(cohort.budgets))
+                     jnp.where(real, take(cohort.weights), 0.0), take(cohort.keys), take(cohort.budgets),
+                     cohort.total)
         out.append((g, positions, sub))
     return out
 
@@ -576,12 +591,20 @@ def _fault_metrics(config, ids, bad) -> dict:
 
 def _without_nonfinite(config, cohort: Cohort, messages, finite):
     """``(cohort, messages, metrics)`` with the real slots whose values are not finite left out:
-    mask and weight 0 (the others renormalised, only when someone was dropped), message zeroed."""
+    mask and weight 0 (the others renormalised, only when someone was dropped, and ``total`` shrunk
+    by the dropped share), message zeroed."""
     bad = (cohort.mask > 0) & ~finite
     weights = jnp.where(bad, 0.0, cohort.weights)
-    weights = jnp.where(jnp.any(bad), weights / jnp.maximum(jnp.sum(weights), 1e-30), cohort.weights)
-    cohort = cohort._replace(mask=jnp.where(bad, 0.0, cohort.mask), weights=weights)
+    kept = jnp.sum(weights)
+    weights = jnp.where(jnp.any(bad), weights / jnp.maximum(kept, 1e-30), cohort.weights)
+    total = jnp.where(jnp.any(bad), cohort.total * kept, cohort.total)
+    cohort = cohort._replace(mask=jnp.where(bad, 0.0, cohort.mask), weights=weights, total=total)
     return cohort, _zero_rows(messages, finite), _fault_metrics(config, cohort.ids, bad)
+
+
+def _aggregation_hparams(hparams, total):
+    """The aggregation's hyper-parameters: the round's plus ``cohort_weight`` (``Cohort.total``, ``[]``)."""
+    return {**hparams, COHORT_WEIGHT: total}
 
 
 def finish_round(algorithm: Algorithm, config: RoundConfig, state: EngineState, arrays: RoundArrays, cohort: Cohort,
@@ -597,8 +620,8 @@ def finish_round(algorithm: Algorithm, config: RoundConfig, state: EngineState, 
         messages = _attacked(algorithm, config, state, arrays, cohort.ids, cohort.keys, messages)
         finite = finite & finite_rows(messages, cohort.ids.shape[0])
     cohort, messages, fault_metrics = _without_nonfinite(config, cohort, messages, finite)
-    server, server_metrics = algorithm.aggregate(state.server, messages, cohort.weights, cohort.mask, hparams,
-                                                 server_key)
+    server, server_metrics = algorithm.aggregate(state.server, messages, cohort.weights, cohort.mask,
+                                                 _aggregation_hparams(hparams, cohort.total), server_key)
     server = _kept_if_nobody_counts(server, state.server, cohort.weights, cohort.mask)
     local_sums = _local_metric_sums(algorithm, config, arrays, messages, cohort.weights, cohort.mask)
     metrics = _round_metrics(algorithm, arrays, server, {**server_metrics, **fault_metrics},
@@ -664,7 +687,9 @@ def _streamed_round(algorithm, config, state, arrays, cohort, groups, trainer, h
     local_sums = {name: value * scale for name, value in local_sums.items()}
     mask = cohort.mask  # the real count for the client-metric means: the kept clients
     real = jnp.sum(mask) - dropped
-    server, server_metrics = algorithm.server_from_stats(state.server, stats, mask, hparams, server_key)
+    total = jnp.where(dropped > 0, cohort.total * kept_weight, cohort.total)
+    server, server_metrics = algorithm.server_from_stats(state.server, stats, mask,
+                                                         _aggregation_hparams(hparams, total), server_key)
     server = jax.tree.map(lambda new, old: jnp.where(kept_weight > 0, new, old), server, state.server)
     fault_metrics = {"nonfinite_clients": dropped}
     if config.on_nonfinite == "stop":

@@ -26,6 +26,11 @@ import jax.numpy as jnp
 PyTree = Any
 HParams = dict  # traced per-round scalars: {"round": int32, "lr": float32, ...}
 Metrics = dict  # name -> scalar array
+# The aggregation's (server_update / server_from_stats) hparams also hold this float32 scalar: the cohort's
+# share of the federation's base weight, sum_{n in A} pi_n / sum_n pi_n (1 with full participation), so
+# ``hparams[COHORT_WEIGHT] * weights`` are the un-renormalised pi_n (FOLA's ``fixed_pi``).
+COHORT_WEIGHT = "cohort_weight"
+ENGINE_HPARAMS = ("round", COHORT_WEIGHT)
 
 
 class ClientData(NamedTuple):
@@ -111,7 +116,8 @@ class ClientFinalFn(Protocol):
 class ServerUpdateFn(Protocol):
     def __call__(self, server: PyTree, messages: PyTree, weights: jax.Array, mask: jax.Array, hparams: HParams,
                  key: jax.Array) -> tuple[PyTree, Metrics]:
-        """``(new server state, server metrics)`` from messages ``[C, ...]``, weights ``[C]``, mask ``[C]``."""
+        """``(new server state, server metrics)`` from messages ``[C, ...]``, weights ``[C]``, mask ``[C]``;
+        ``hparams`` adds ``cohort_weight`` (``[]``, ``COHORT_WEIGHT``) to the round's."""
 
 
 class ClientStatsFn(Protocol):
@@ -122,7 +128,8 @@ class ClientStatsFn(Protocol):
 class ServerFromStatsFn(Protocol):
     def __call__(self, server: PyTree, summed_stats: PyTree, mask: jax.Array, hparams: HParams,
                  key: jax.Array) -> tuple[PyTree, Metrics]:
-        """``(new server state, server metrics)`` from the weighted sum of the cohort's statistics."""
+        """``(new server state, server metrics)`` from the weighted sum of the cohort's statistics
+        (``hparams`` as ``ServerUpdateFn``'s)."""
 
 
 class GlobalParamsFn(Protocol):
@@ -228,8 +235,9 @@ class Algorithm:
                             "server_from_stats (exactly one of the two)")
         if self.global_params is None:
             object.__setattr__(self, "global_params", _server_params)
-        if "round" in self.hparams:
-            raise ValueError(f"Algorithm {self.name!r}: 'round' is the engine's hyper-parameter; rename yours")
+        for name in ENGINE_HPARAMS:
+            if name in self.hparams:
+                raise ValueError(f"Algorithm {self.name!r}: {name!r} is the engine's hyper-parameter; fix: rename yours")
         for field in ("local_epochs", "batch_size", "num_groups"):
             if int(getattr(self, field)) < 1:
                 raise ValueError(f"Algorithm {self.name!r}: {field}={getattr(self, field)} must be >= 1")
@@ -273,6 +281,6 @@ class Algorithm:
         return dataclasses.replace(self, **changes)
 
 
-__all__ = ["Algorithm", "Batch", "ClientContext", "ClientData", "ClientFinalFn", "ClientInitFn", "ClientStatsFn",
-           "ClientStepFn", "EvaluateClientFn", "EvaluateFn", "GlobalParamsFn", "HParams", "InitParamsFn", "Metrics", "PersistentInitFn",
+__all__ = ["COHORT_WEIGHT", "Algorithm", "Batch", "ClientContext", "ClientData", "ClientFinalFn", "ClientInitFn",
+           "ClientStatsFn", "ClientStepFn", "EvaluateClientFn", "EvaluateFn", "GlobalParamsFn", "HParams", "InitParamsFn", "Metrics", "PersistentInitFn",
            "PredictFn", "PyTree", "ServerFromStatsFn", "ServerInitFn", "ServerUpdateFn"]
