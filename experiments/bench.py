@@ -222,6 +222,7 @@ def training_flops_per_sample(model, input_shape) -> float:
 
 def time_library(algorithm, fed, config: Config, backend: str, rounds: int, fixed_local_steps: bool = True) -> dict:
     """One library configuration's ``{"compile_s", "round_s" (fastest), "median_round_s", ...}`` over ``rounds``
+    (vmap: also ``"trace_s"``, ``"lower_s"`` and ``"compile_only_s"``, the ahead-of-time compilation in all)
     timed rounds after a warm-up; ``fixed_local_steps`` lets ``with_fixed_local_steps`` decide, as ``simulate``."""
     import jax
     from bfedjax.core import RoundConfig, init_state, make_round_step, with_fixed_local_steps, with_own_buffers
@@ -238,8 +239,12 @@ def time_library(algorithm, fed, config: Config, backend: str, rounds: int, fixe
     out = {}
     if backend == "vmap":  # compile once, ahead of time: the executable gives the memory analysis and runs
         start = time.perf_counter()
-        step = step.lower(state, arrays, jax.random.PRNGKey(0), traced_hparams(algorithm, 1)).compile()
-        out["compile_only_s"] = time.perf_counter() - start
+        traced = step.trace(state, arrays, jax.random.PRNGKey(0), traced_hparams(algorithm, 1))
+        out["trace_s"] = time.perf_counter() - start
+        lowered = traced.lower()
+        out["lower_s"] = time.perf_counter() - start - out["trace_s"]
+        step = lowered.compile()
+        out["compile_only_s"] = time.perf_counter() - start  # tracing, lowering and XLA's compilation
         mem = step.memory_analysis()
         if mem is not None:
             out["memory_mb"] = (mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes

@@ -6,7 +6,8 @@ Each argument is ``K:fixed:algorithm:model:matmul_conv_MiB[:compute_dtype]``: K 
 procedural samples each, B = 10, one vmap over the cohort; ``fixed`` 1 takes fixed local steps
 (``RoundConfig.fixed_local_steps``), 0 the per-step loop; ``matmul_conv_MiB`` sets this platform's
 ``models.conv.MATMUL_CONV_MAX_BYTES`` (0: XLA's convolutions only). It prints the compile time and
-the median and fastest round in milliseconds. ``experiments.bench`` is the benchmark; this is the
+the median and fastest round in milliseconds (``--rounds=N`` times N rounds instead of 20); the
+compile time splits into JAX's tracing and lowering and XLA's compilation. ``experiments.bench`` is the benchmark; this is the
 finer tool its layout choices were made with (issue 18, on an H100).
 """
 from __future__ import annotations
@@ -28,8 +29,9 @@ def federation(k: int, shape, n: int = 100):
 
 
 def time_round(k: int, fixed: bool, name: str, model_name: str, matmul_conv_mib: float, dtype: str = "float32",
-               rounds: int = 20) -> tuple[float, float, float]:
-    """``(compile seconds, median round seconds, fastest round seconds)``, timed by ``bench.time_library``."""
+               rounds: int = 20) -> dict:
+    """``bench.time_library``'s dict for one configuration: ``trace_s``, ``lower_s``, ``compile_only_s`` (the
+    three together), ``median_round_s`` and ``round_s`` (the fastest)."""
     import jax
     import bfedjax as bf
     from experiments.bench import Config, time_library
@@ -38,11 +40,12 @@ def time_round(k: int, fixed: bool, name: str, model_name: str, matmul_conv_mib:
     model = bf.models.get_model(model_name, 10, hidden=(200, 200), compute_dtype=dtype)
     options = {} if name == "bfl" else {"lr": 0.01}
     algorithm = bf.algorithms.build(name, model, fed, batch_size=10, **options).replace(evaluate=None)
-    out = time_library(algorithm, fed, Config("bench_round", "uniform", k, 10), "vmap", rounds, fixed)
-    return out["compile_only_s"], out["median_round_s"], out["round_s"]
+    return time_library(algorithm, fed, Config("bench_round", "uniform", k, 10), "vmap", rounds, fixed)
 
 
-def main(specs: list[str]) -> None:
+def main(args: list[str]) -> None:
+    rounds = [int(a.split("=", 1)[1]) for a in args if a.startswith("--rounds=")]
+    specs = [a for a in args if not a.startswith("--rounds=")]
     if not specs:
         raise SystemExit("give one or more K:fixed:algorithm:model:matmul_conv_MiB[:compute_dtype], e.g. "
                          "100:1:fedavg:mlp:0")
@@ -52,9 +55,11 @@ def main(specs: list[str]) -> None:
             raise SystemExit(f"{spec!r}: fix: write K:fixed:algorithm:model:matmul_conv_MiB[:compute_dtype]")
         k, fixed, name, model, mib = int(parts[0]), parts[1] == "1", parts[2], parts[3], float(parts[4])
         dtype = parts[5] if len(parts) == 6 else "float32"
-        compile_s, median_s, best_s = time_round(k, fixed, name, model, mib, dtype)
-        print(f"{model} K={k} {name} fixed={fixed} matmul_conv={mib:g}MiB {dtype}: compile {compile_s:.1f}s "
-              f"median {1e3 * median_s:.2f} ms fastest {1e3 * best_s:.2f} ms", flush=True)
+        t = time_round(k, fixed, name, model, mib, dtype, rounds=rounds[-1] if rounds else 20)
+        xla_s = t["compile_only_s"] - t["trace_s"] - t["lower_s"]
+        print(f"{model} K={k} {name} fixed={fixed} matmul_conv={mib:g}MiB {dtype}: compile {t['compile_only_s']:.1f}s "
+              f"(trace {t['trace_s']:.1f}s, lower {t['lower_s']:.1f}s, XLA {xla_s:.1f}s) "
+              f"median {1e3 * t['median_round_s']:.2f} ms fastest {1e3 * t['round_s']:.2f} ms", flush=True)
 
 
 if __name__ == "__main__":
