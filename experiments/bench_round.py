@@ -44,18 +44,20 @@ def time_round(k: int, fixed: bool, name: str, model_name: str, matmul_conv_mib:
 
 
 def main(args: list[str]) -> None:
-    rounds = [int(a.split("=", 1)[1]) for a in args if a.startswith("--rounds=")]
+    rounds = [a.split("=", 1)[1] for a in args if a.startswith("--rounds=")]
     specs = [a for a in args if not a.startswith("--rounds=")]
+    if rounds and not (rounds[-1].isdigit() and int(rounds[-1]) >= 1):
+        raise SystemExit(f"--rounds={rounds[-1]}: fix: a whole number of timed rounds >= 1, e.g. --rounds=3")
     if not specs:
-        raise SystemExit("give one or more K:fixed:algorithm:model:matmul_conv_MiB[:compute_dtype], e.g. "
-                         "100:1:fedavg:mlp:0")
+        raise SystemExit("give one or more K:fixed:algorithm:model:matmul_conv_MiB[:compute_dtype] (and optionally "
+                         "--rounds=N), e.g. 100:1:fedavg:mlp:0")
     for spec in specs:
         parts = spec.split(":")
         if len(parts) not in (5, 6):
             raise SystemExit(f"{spec!r}: fix: write K:fixed:algorithm:model:matmul_conv_MiB[:compute_dtype]")
         k, fixed, name, model, mib = int(parts[0]), parts[1] == "1", parts[2], parts[3], float(parts[4])
         dtype = parts[5] if len(parts) == 6 else "float32"
-        t = time_round(k, fixed, name, model, mib, dtype, rounds=rounds[-1] if rounds else 20)
+        t = time_round(k, fixed, name, model, mib, dtype, rounds=int(rounds[-1]) if rounds else 20)
         xla_s = t["compile_only_s"] - t["trace_s"] - t["lower_s"]
         print(f"{model} K={k} {name} fixed={fixed} matmul_conv={mib:g}MiB {dtype}: compile {t['compile_only_s']:.1f}s "
               f"(trace {t['trace_s']:.1f}s, lower {t['lower_s']:.1f}s, XLA {xla_s:.1f}s) "

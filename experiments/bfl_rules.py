@@ -110,6 +110,7 @@ def main(argv):
                 rows[key] = {m: (float(np.mean([r[m] for r in runs])),
                                  float(np.std([r[m] for r in runs], ddof=1)) if len(runs) > 1 else 0.0)
                              for m in runs[0]}
+                rows[key]["runs"] = (len(runs), 0.0)  # the t interval's n (--spread=ci95, also --report_only)
                 r = rows[key]
                 print(f"E={epochs} R={rounds} {partition:6s} {method:10s} acc {r['accuracy'][0]:.4f}±{r['accuracy'][1]:.4f} "
                       f"nll {r['nll'][0]:.3f} ece {r['ece'][0]:.3f} scale {r['scale'][0]:.2e}  [{time.time() - start:.0f}s]",
@@ -199,7 +200,8 @@ def write_results(rows, data):
             for (e, r, p, method), v in rows.items():
                 if (e, r, p) != (epochs, rounds, partition):
                     continue
-                fmt = lambda m, f: f"{v[m][0]:{f}} ± {spread.half_width(v[m][1], len(FLAGS.seeds), FLAGS.spread):{f}}"
+                n = int(v["runs"][0]) if "runs" in v else len(FLAGS.seeds)  # files saved before n was
+                fmt = lambda m, f: f"{v[m][0]:{f}} ± {spread.half_width(v[m][1], n, FLAGS.spread):{f}}"
                 scale = "-" if np.isnan(v["scale"][0]) else fmt("scale", ".2e")
                 lines.append(f"| {method} | {fmt('accuracy', '.4f')} | {fmt('nll', '.3f')} | {fmt('ece', '.3f')} | {scale} |")
             lines += ["", f"Paper's grouping here: {verdict(rows, epochs, rounds, partition)}.", "",

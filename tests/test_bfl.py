@@ -206,9 +206,38 @@ def test_prior_temperature_and_scale_floor_reach_the_round(small_fed, vi_model):
     plain, _ = round_out(prior_update=True)
     tempered, _ = round_out(prior_update=True, prior_temperature=0.5)
     assert not np.allclose(plain.server["params"]["Dense_0"]["kernel"], tempered.server["params"]["Dense_0"]["kernel"])
+    # t -> 0 tempers the global posterior all the way to the fixed N(0, 10^2) prior.
+    chex.assert_trees_all_close(round_out(prior_update=True, prior_temperature=1e-9)[0], round_out()[0],
+                                rtol=1e-3, atol=1e-6)
     # Conflation shrinks the scales K-fold; a floor above them raises every variational scale to it.
     floored, metrics = round_out(rule="conflation", scale_min=0.5)
     np.testing.assert_allclose(floored.server["scale"]["Dense_0"]["kernel"], 0.5)
     assert int(metrics["scale_floor_hits"]) == 64 * 8 + 8 * 10
     with pytest.raises(ValueError, match="prior_update=True"):
         bf.algorithms.bfl(vi_model, (8, 8, 1), prior_temperature=0.5)
+
+
+def test_dwc_divides_by_the_prior_the_clients_trained_against(small_fed, vi_model, monkeypatch):
+    from bfedjax.algorithms.bfl import tempered_prior
+    from bfedjax.posteriors import aggregation
+    seen = []
+    real = aggregation.distributed_weight_consolidation
+    key = ("Dense_0", "kernel")
+
+    def recording(stacked, w, prior, *args, **kwargs):
+        jax.debug.callback(lambda m, p: seen.append((np.asarray(m), np.asarray(p))), prior.mean[key],
+                           prior.precision[key])
+        return real(stacked, w, prior, *args, **kwargs)
+
+    monkeypatch.setattr(aggregation, "distributed_weight_consolidation", recording)
+    params = vi_model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8, 8, 1)))["params"]
+    config = RoundConfig(num_clients=5, clients_per_round=5)
+    algo = bf.algorithms.bfl(vi_model, small_fed.input_shape, rule="dwc", prior_temperature=0.5, scale_min=0.1)
+    state = init_state(algo, params, config)
+    jax.block_until_ready(make_round_step(algo, config, "vmap")(state, round_arrays(small_fed), jax.random.PRNGKey(2),
+                                                                traced_hparams(algo, 1)))
+    server = state.server
+    floored = jax.tree.map(lambda s: jnp.maximum(jnp.where(s > 0, s, 1.0), 0.1), server["scale"])
+    loc, scale = tempered_prior(server["params"], floored, 0.5, 10.0)
+    np.testing.assert_allclose(seen[-1][0], loc["Dense_0"]["kernel"], rtol=1e-6)
+    np.testing.assert_allclose(seen[-1][1], scale["Dense_0"]["kernel"] ** -2.0, rtol=1e-5)

@@ -195,3 +195,22 @@ def test_median_holds_where_fedavg_breaks_under_noise_attackers(digits, tiny_mod
                                    evaluate_local=False).metrics["global_accuracy"][-1]
     plain, median = run(fedavg), run(bf.algorithms.with_robust_aggregation(fedavg, "median"))
     assert median > 0.4 and plain < median - 0.2, (plain, median)
+
+
+def test_krum_leaves_out_clients_from_the_cohort_weight():
+    """FOLA's fixed_pi reads ``hparams["cohort_weight"]``; the clients Krum drops count as absent."""
+    def server_update(server, messages, weights, mask, hparams, key):
+        del messages, mask, key
+        return server, {"cohort_weight": hparams["cohort_weight"], "weight_sum": jnp.sum(weights)}
+
+    probe = bf.Algorithm("probe", server_init=lambda params: {"params": params}, client_init=lambda ctx, key: 0.0,
+                         client_step=lambda local, batch, ctx, key: local,
+                         client_final=lambda local, ctx: ({"params": ctx.server["params"]}, (), {}),
+                         server_update=server_update)
+    krum = bf.algorithms.with_robust_aggregation(probe, "multi_krum", byzantine_fraction=0.25)
+    messages = {"params": {"w": jnp.array([[0.0], [0.1], [0.2], [10.0]])}}  # the last is far from the rest
+    weights, mask = jnp.array([0.1, 0.2, 0.3, 0.4]), jnp.ones(4)
+    _, metrics = krum.server_update({"params": {"w": jnp.zeros(1)}}, messages, weights, mask,
+                                    {"round": 1, "cohort_weight": jnp.float32(0.5)}, jax.random.PRNGKey(0))
+    assert float(metrics["weight_sum"]) == pytest.approx(1.0)
+    assert float(metrics["cohort_weight"]) == pytest.approx(0.5 * 0.6)

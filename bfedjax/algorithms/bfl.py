@@ -176,7 +176,7 @@ def bfl(model, input_shape, *, rule: str = "wc", weighting: str = "by_size", pri
         stacked = _variational_posterior(messages["params"], messages["scale"], vi.variational)
         hits = jnp.zeros((), jnp.int32)
         if rule == "dwc":
-            prior = _variational_posterior(server["params"], server["scale"], vi.variational)
+            prior = _variational_posterior(*prior_args(server), vi.variational)  # the clients' ELBO prior
             fused, hits = aggregation.distributed_weight_consolidation(stacked, w, prior, dwc_guard, dwc_floor_ratio,
                                                                        mask=mask)
         else:

@@ -32,7 +32,8 @@ fixed_pi               weights under partial participation (spec D23): False (th
                        True keeps pi_n = m_n / m, so omega_S = sum_{n in A} pi_n omega_n is
                        smaller by the cohort's share sum_{n in A} pi_n (the engine's
                        ``hparams["cohort_weight"]``) and mu_S = sum pi_n omega_n theta_n /
-                       (omega_S + eps). With full participation both are the same
+                       (omega_S + eps). With full participation at the base weights (no
+                       stragglers weighted by epochs, nobody dropped) both are the same
 
 precision_diagnostics  report the spec's precision diagnostics (section 7) as server
                        metrics every round: ``precision_below_eps``, the share of

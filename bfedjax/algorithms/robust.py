@@ -28,7 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from bfedjax.core.types import Algorithm
+from bfedjax.core.types import COHORT_WEIGHT, Algorithm
 from bfedjax.posteriors.gaussian import DiagGaussian
 from bfedjax.posteriors.robust import (bound_update_norms, coordinate_median, krum_selection, robust_product,
                                        trimmed_mean)
@@ -85,6 +85,8 @@ def with_robust_aggregation(algorithm: Algorithm, rule: str = "median", *, trim:
             weights = jnp.where(total > 0, weights / jnp.maximum(total, 1e-30), selected / jnp.maximum(
                 jnp.sum(selected), 1.0))
             metrics["robust_kept"] = jnp.sum(selected)
+            if COHORT_WEIGHT in hparams:  # the clients Krum leaves out count as absent (FOLA's fixed_pi)
+                hparams = {**hparams, COHORT_WEIGHT: hparams[COHORT_WEIGHT] * total}
         messages = {**messages, "params": params}
         if rule == "robust_product":
             if "precision" not in messages:

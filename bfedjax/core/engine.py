@@ -15,7 +15,7 @@ The cohort is ``ids [Kp]`` (client indices; ``N`` marks a padding slot),
 ``mask [Kp]`` (1 for a real client), ``weights [Kp]`` (the real clients'
 share of the aggregate, renormalised to sum to 1) and ``total []`` (the
 cohort's share of the federation's base weight, sum_{n in A} pi_n; 1 when
-everybody takes part), which the aggregation reads as
+every client takes part at its base weight and none is dropped), which the aggregation reads as
 ``hparams["cohort_weight"]`` (FOLA's ``fixed_pi``). A padding slot never
 trains on data, never counts in an aggregate or a metric, and never writes persistent state. Sampling draws
 among the federation's real clients whatever their weights; a round whose

@@ -27,7 +27,7 @@ PyTree = Any
 HParams = dict  # traced per-round scalars: {"round": int32, "lr": float32, ...}
 Metrics = dict  # name -> scalar array
 # The aggregation's (server_update / server_from_stats) hparams also hold this float32 scalar: the cohort's
-# share of the federation's base weight, sum_{n in A} pi_n / sum_n pi_n (1 with full participation), so
+# share of the federation's base weight, sum_{n in A} pi_n / sum_n pi_n (1 when every client takes part at its base weight, none dropped), so
 # ``hparams[COHORT_WEIGHT] * weights`` are the un-renormalised pi_n (FOLA's ``fixed_pi``).
 COHORT_WEIGHT = "cohort_weight"
 ENGINE_HPARAMS = ("round", COHORT_WEIGHT)

@@ -81,7 +81,7 @@ class MeanFieldConfig:
       train_samples: MC samples of the ELBO (``test_samples``: of the predictive).
       learning_rate: the optimiser's step (the paper's 1e-3, fresh state every round).
       optimizer: ``"adam"`` (default, the spec's D7 reading of "a variant of SGD") or ``"sgd"``, with
-        heavy-ball ``momentum`` (0: plain SGD; ignored by Adam).
+        heavy-ball ``momentum`` (0: plain SGD; SGD only).
       gradient_estimator: of the expected log-likelihood: ``"flipout"`` (default: per-example
         sign-flipped kernel noise in every dense and conv layer; variational biases are sampled
         once per pass), ``"local_reparameterization"`` (every dense and conv output unit drawn
@@ -107,6 +107,8 @@ class MeanFieldConfig:
             raise ValueError(f"optimizer={self.optimizer!r}; choose one of {OPTIMIZERS}")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"momentum={self.momentum} must be in [0, 1), e.g. 0.9")
+        if self.momentum and self.optimizer != "sgd":
+            raise ValueError(f"momentum={self.momentum} is SGD's; fix: optimizer='sgd', or momentum=0 with Adam")
         if self.gradient_estimator not in GRADIENT_ESTIMATORS:
             raise ValueError(f"gradient_estimator={self.gradient_estimator!r}; choose one of {GRADIENT_ESTIMATORS}")
         if self.init_loc not in INIT_LOCS:
@@ -131,7 +133,8 @@ class MeanFieldVI:
                        if _is_variational(path, config.variational_biases)}
         self.variational = frozenset(_path_name(p) for p in self._sites.values())
         """Dotted paths of the variational leaves in the wire (engine) tree."""
-        self._auto_guide = AutoNormal(self.numpyro_model, init_scale=config.init_scale)
+        self.auto_guide = AutoNormal(self.numpyro_model, init_scale=config.init_scale)
+        """The ``AutoNormal`` (``guide`` runs it with the KL weight)."""
         # the learning rate is a hyper-parameter in the optimiser state, so a round can set it (traced)
         optimizer = (optax.inject_hyperparams(optax.adam)(config.learning_rate) if config.optimizer == "adam" else
                      optax.inject_hyperparams(optax.sgd)(config.learning_rate, momentum=config.momentum or None))
@@ -146,9 +149,9 @@ class MeanFieldVI:
         scale, so the guide runs under ``numpyro.handlers.scale``. ``None``: the KL as is.
         """
         if kl_weight is None:
-            return self._auto_guide(*args, **kwargs)
+            return self.auto_guide(*args, **kwargs)
         with numpyro.handlers.scale(scale=kl_weight):
-            return self._auto_guide(*args, **kwargs)
+            return self.auto_guide(*args, **kwargs)
 
     def numpyro_model(self, x, y, mask, count, prior_loc=None, prior_scale=None, kl_weight=None):
         """x ``[B, ...]``, y ``[B]``, mask ``[B]``, count ``[]``; optional prior pytrees (global posterior).
