@@ -56,6 +56,8 @@ def _abstract_params(model, input_shape):
         ("lenet", None, (28, 28, 1), 61_706),
         # HBFL spec section 5: LeNet5 unpadded on 32x32x3 (flatten 400): 456 + 2,416 + 48,120 + 10,164 + 850
         ("lenet", None, (32, 32, 3), 62_006),
+        # HBFL Decision 11's option, unpadded on 28x28 (flatten 256): 156 + 2,416 + 30,840 + 10,164 + 850
+        ("lenet_unpadded", None, (28, 28, 1), 44_426),
         # CNN1: LeNet's convs then 400 -> 120 -> 10: 156 + 2,416 + 48,120 + 1,210
         ("cnn1", None, (28, 28, 1), 51_902),
         ("cnn1", None, (32, 32, 3), 52_202),
@@ -143,8 +145,8 @@ def test_vmap_over_stacked_clients():
 
 
 def test_registry_and_unknown_name():
-    assert set(MODELS) == {"logistic", "mlp", "mlp_500_300", "mlp_200_200", "fola_cnn", "lenet", "cnn1", "cnn2",
-                           "resnet20", "fedreg_cnn", "mcmahan_cnn", "unet"}
+    assert set(MODELS) == {"logistic", "mlp", "mlp_500_300", "mlp_200_200", "fola_cnn", "lenet", "lenet_unpadded", "cnn1",
+                           "cnn2", "resnet20", "fedreg_cnn", "mcmahan_cnn", "unet"}
     assert isinstance(get_model("fola_cnn", 10), FolaCNN)
     assert isinstance(get_model("McMahan_CNN", 10), McMahanCNN)
     assert isinstance(get_model("lenet", 10), LeNet)

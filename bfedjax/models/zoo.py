@@ -28,6 +28,7 @@ MLP(200, 200)   28x28x1      199,210
 FolaCNN         32x32x3      878,538
 LeNet           28x28x1      61,706
 LeNet           32x32x3      62,006
+LeNet unpadded  28x28x1      44,426
 CNN1            28x28x1      51,902
 CNN2            28x28x1      93,322
 CNN2            32x32x3      122,570
@@ -404,6 +405,8 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "mlp_200_200": lambda num_classes, hidden=None, dropout_rate=0.0: _make_mlp(num_classes, (200, 200), dropout_rate),
     "fola_cnn": lambda num_classes, hidden=None: FolaCNN(num_classes=num_classes),
     "lenet": lambda num_classes, hidden=None: LeNet(num_classes=num_classes),
+    # HBFL spec Decision 11's option: LeNet-5 without the first conv's padding on 28x28 too (flatten 256).
+    "lenet_unpadded": lambda num_classes, hidden=None: LeNet(num_classes=num_classes, first_padding="VALID"),
     "cnn1": lambda num_classes, hidden=None: CNN1(num_classes=num_classes),
     "cnn2": lambda num_classes, hidden=None: CNN2(num_classes=num_classes),
     "fedreg_cnn": lambda num_classes, hidden=None: FedRegCNN(num_classes=num_classes),
