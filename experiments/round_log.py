@@ -24,9 +24,10 @@ POSTFIX = (("global_accuracy", "GA"), ("local_accuracy", "LA"), ("client_test_ac
 
 
 def numeric_items(record: Mapping) -> dict[str, float]:
-    """The record's numbers (bools and the ``round`` key left out) as floats."""
+    """The record's numbers (bools, the ``round`` key and NaN, a metric ``--evaluate_every`` skipped, left out)
+    as floats."""
     return {k: float(v) for k, v in record.items()
-            if k != "round" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+            if k != "round" and isinstance(v, (int, float)) and not isinstance(v, bool) and v == v}
 
 
 def round_line(record) -> str:

@@ -201,6 +201,26 @@ def test_patience_counts_rounds_since_the_best():
     assert not bf.core.patience_reached(history, 3)
     assert bf.core.patience_reached(history + [{"global_accuracy": 0.5}], 3)  # a tie is no improvement
     assert not bf.core.patience_reached(history + [{"global_accuracy": 0.6}], 1)
+    nan = float("nan")  # rounds --evaluate_every skipped
+    assert not bf.core.patience_reached([{"global_accuracy": nan}] * 4, 1)
+    assert bf.core.patience_reached([{"global_accuracy": a} for a in (nan, 0.5, nan, 0.4, nan)], 3)
+    np.testing.assert_array_equal(bf.metrics.best_so_far([nan, 0.5, nan, 0.4]), [nan, 0.5, 0.5, 0.5])
+
+
+@pytest.mark.parametrize("chunk", [None, 2])  # finish_round, and the streamed chunks' running sums
+def test_evaluate_every_skips_the_other_rounds_evaluation(chunk, small_fed, tiny_model, tiny_params):
+    algo = bf.algorithms.fedavg(tiny_model, lr=0.1, batch_size=16)
+    run = lambda every: bf.simulate(algo, small_fed, rounds=4, key=jax.random.PRNGKey(0), init_params=tiny_params,
+                                    clients_per_chunk=chunk, evaluate_every=every)
+    every_run, second_run = run(1), run(2)
+    every, second = every_run.metrics, second_run.metrics
+    for name in ("global_accuracy", "global_loss", "local_accuracy"):
+        np.testing.assert_array_equal(np.isnan(second[name]), [True, False, True, False], err_msg=name)
+        np.testing.assert_allclose(np.asarray(second[name])[[1, 3]], np.asarray(every[name])[[1, 3]], rtol=1e-6)
+    chex.assert_trees_all_equal(second_run.state.server, every_run.state.server)  # training is untouched
+    assert second["best_global_accuracy"][-1] == max(every["global_accuracy"][1], every["global_accuracy"][3])
+    with pytest.raises(ValueError, match="divide rounds=3"):
+        bf.simulate(algo, small_fed, rounds=3, key=jax.random.PRNGKey(0), init_params=tiny_params, evaluate_every=2)
 
 
 def test_early_stopped_pretraining_stops_when_validation_accuracy_stalls(digits, tiny_model, tiny_params, monkeypatch):

@@ -89,6 +89,7 @@ def _one_error_line(result, needle: str) -> str:
      "fix: --algorithm=fedavg or fedprox or fedref"),
     ("--dataset=vessels --task=segmentation --model=unet --algorithm=fedavg", "fix: --partition=nested"),
     ("--algorithm=fedref --fedref_p=0", "--fedref_p must be >= 1"),
+    ("--rounds=3 --evaluate_every=2", "--evaluate_every must be >= 1 and divide --rounds"),
     ("--round_fractions=0.5,2", "--round_fractions must be numbers in (0, 1]"),
     ("--server_optimizer=adamw", "--server_optimizer"),
     ("--algorithm=abavg --abavg_accuracy_source=client_test", "fix: add --client_test_splits"),

@@ -120,6 +120,9 @@ class RoundConfig:
       clients_per_chunk: clients trained at once; ``None`` trains the whole cohort in one vmap,
         1 runs them one after another without a vmap.
       evaluate_local: also score every local model with the evaluate hook (LA).
+      evaluate_every: run the evaluate hook (GA, and LA with ``evaluate_local``) only in the rounds
+        ``r`` with ``r % evaluate_every == 0``; the other rounds report NaN for those metrics and skip
+        their cost (FedReg spec decision 17's option; 1: every round).
       pad_cohort_to: round the cohort up to a multiple of this (the device count when the
         client axis is sharded); the extra slots are padding.
       client_groups: ``N`` ints, each client's architecture group (``None``: every client in group 0).
@@ -144,6 +147,7 @@ class RoundConfig:
     clients_per_round: int
     clients_per_chunk: int | None = None
     evaluate_local: bool = True
+    evaluate_every: int = 1
     pad_cohort_to: int = 1
     client_groups: tuple[int, ...] | None = None
     straggler_fraction: float = 0.0
@@ -157,6 +161,8 @@ class RoundConfig:
         if not 1 <= self.clients_per_round <= self.num_clients:
             raise ValueError(
                 f"clients_per_round={self.clients_per_round} must be in [1, num_clients={self.num_clients}]")
+        if int(self.evaluate_every) < 1:
+            raise ValueError(f"evaluate_every={self.evaluate_every} must be >= 1 (1: evaluate every round)")
         if self.clients_per_chunk is not None and self.clients_per_chunk < 1:
             raise ValueError(f"clients_per_chunk={self.clients_per_chunk} must be >= 1 (or None for no chunking)")
         if self.client_groups is not None:
@@ -517,29 +523,47 @@ def _client_metric_sums(metrics, mask):
     return {name: jnp.sum(jnp.where(mask > 0, value, 0.0)) for name, value in metrics.items()}
 
 
-def _local_metric_sums(algorithm, config, arrays, messages, weights, mask):
+def _on_evaluation_rounds(config, hparams, metrics_fn):
+    """``metrics_fn()`` (a dict of scalars) in the rounds ``config.evaluate_every`` evaluates, NaN (and no
+    work) in the others."""
+    if config.evaluate_every == 1:
+        return metrics_fn()
+    shapes = jax.eval_shape(metrics_fn)
+    skipped = lambda: jax.tree.map(lambda s: jnp.full(s.shape, jnp.nan, s.dtype), shapes)
+    return jax.lax.cond(hparams["round"] % config.evaluate_every == 0, metrics_fn, skipped)
+
+
+def _local_metric_sums(algorithm, config, arrays, messages, weights, mask, hparams):
     """``{local_<name>: sum_c w_c * metric(local model c)}`` through the evaluate hook (the LA of the paper)."""
     if not (config.evaluate_local and algorithm.evaluate is not None and "params" in messages):
         return {}
-    scores = jax.lax.map(lambda p: algorithm.evaluate(p, arrays.x_test, arrays.y_test), messages["params"])
-    return {f"local_{name}": jnp.sum(jnp.where(mask > 0, weights * value, 0.0)) for name, value in scores.items()}
+
+    def sums():
+        scores = jax.lax.map(lambda p: algorithm.evaluate(p, arrays.x_test, arrays.y_test), messages["params"])
+        return {f"local_{name}": jnp.sum(jnp.where(mask > 0, weights * value, 0.0)) for name, value in scores.items()}
+
+    return _on_evaluation_rounds(config, hparams, sums)
 
 
-def _global_metrics(algorithm, arrays, server):
+def _global_metrics(algorithm, config, arrays, server, hparams):
     if algorithm.evaluate is None:
         return {}
-    scores = algorithm.evaluate(algorithm.global_params(server), arrays.x_test, arrays.y_test)
-    return {f"global_{name}": value for name, value in scores.items()}
+
+    def scores():
+        return {f"global_{name}": value for name, value in
+                algorithm.evaluate(algorithm.global_params(server), arrays.x_test, arrays.y_test).items()}
+
+    return _on_evaluation_rounds(config, hparams, scores)
 
 
 RESERVED_METRICS = ("round", "seconds", "best_global_accuracy")
 
 
-def _round_metrics(algorithm, arrays, server, server_metrics, client_sums, mask, local_sums):
+def _round_metrics(algorithm, config, arrays, server, server_metrics, client_sums, mask, local_sums, hparams):
     """The round's record: client metrics averaged over real clients, server, global and local metrics."""
     real = jnp.maximum(jnp.sum(mask), 1.0)
     groups = [("client", {name: total / real for name, total in client_sums.items()}), ("server", server_metrics),
-              ("evaluate", _global_metrics(algorithm, arrays, server)), ("evaluate", local_sums)]
+              ("evaluate", _global_metrics(algorithm, config, arrays, server, hparams)), ("evaluate", local_sums)]
     metrics = {}
     for source, group in groups:
         for name, value in group.items():
@@ -626,13 +650,13 @@ def finish_round(algorithm: Algorithm, config: RoundConfig, state: EngineState, 
     server, server_metrics = algorithm.aggregate(state.server, messages, cohort.weights, cohort.mask,
                                                  _aggregation_hparams(hparams, cohort.total), server_key)
     server = _kept_if_nobody_counts(server, state.server, cohort.weights, cohort.mask)
-    local_sums = _local_metric_sums(algorithm, config, arrays, messages, cohort.weights, cohort.mask)
-    metrics = _round_metrics(algorithm, arrays, server, {**server_metrics, **fault_metrics},
-                             _client_metric_sums(client_metrics, cohort.mask), cohort.mask, local_sums)
+    local_sums = _local_metric_sums(algorithm, config, arrays, messages, cohort.weights, cohort.mask, hparams)
+    metrics = _round_metrics(algorithm, config, arrays, server, {**server_metrics, **fault_metrics},
+                             _client_metric_sums(client_metrics, cohort.mask), cohort.mask, local_sums, hparams)
     return EngineState(server, persistent), metrics
 
 
-def _streamed_group(algorithm, config, state, arrays, sub, train, persistent, group):
+def _streamed_group(algorithm, config, state, arrays, sub, train, persistent, group, hparams):
     """One group's chunks under ``lax.scan`` into running sums of ``(client_stats, client metrics,
     local metrics, (kept weight, dropped clients, first dropped id))``; non-finite clients drop out."""
     chunk = config.clients_per_chunk
@@ -651,7 +675,7 @@ def _streamed_group(algorithm, config, state, arrays, sub, train, persistent, gr
                    jnp.min(jnp.where(bad, ids, jnp.iinfo(jnp.int32).max)))
         sums = (weighted_sum(jax.vmap(algorithm.client_stats)(messages), w),
                 _client_metric_sums(client_metrics, mask),
-                _local_metric_sums(algorithm, config, arrays, messages, w, mask), dropped)
+                _local_metric_sums(algorithm, config, arrays, messages, w, mask, hparams), dropped)
         return sums, (new_persistent, mask)
 
     shapes = jax.eval_shape(lambda: chunk_sums(*(c[0] for c in chunks))[0])
@@ -681,7 +705,8 @@ def _streamed_round(algorithm, config, state, arrays, cohort, groups, trainer, h
     """
     persistent, totals = list(state.persistent), None
     for g, _, sub in groups:
-        sums, persistent[g], add = _streamed_group(algorithm, config, state, arrays, sub, trainer(g), persistent[g], g)
+        sums, persistent[g], add = _streamed_group(algorithm, config, state, arrays, sub, trainer(g), persistent[g], g,
+                                                   hparams)
         totals = sums if totals is None else add(totals, sums)
     stats, client_sums, local_sums, (kept_weight, dropped, first) = totals
     # dropping clients leaves the weights summing to kept_weight: renormalise the (linear) sums
@@ -698,8 +723,8 @@ def _streamed_round(algorithm, config, state, arrays, cohort, groups, trainer, h
     if config.on_nonfinite == "stop":
         fault_metrics["first_nonfinite_client"] = jnp.where(dropped > 0, first, -1).astype(jnp.float32)
     kept_mask = jnp.where(jnp.arange(mask.shape[0]) < real, 1.0, 0.0)  # only its sum is read
-    metrics = _round_metrics(algorithm, arrays, server, {**server_metrics, **fault_metrics}, client_sums, kept_mask,
-                             local_sums)
+    metrics = _round_metrics(algorithm, config, arrays, server, {**server_metrics, **fault_metrics}, client_sums,
+                             kept_mask, local_sums, hparams)
     return EngineState(server, tuple(persistent)), metrics
 
 

@@ -39,7 +39,7 @@ class SimulationResult:
 
     @property
     def best_global_accuracy(self) -> float:
-        return float(max(self.metrics["global_accuracy"]))
+        return float(np.nanmax(self.metrics["global_accuracy"]))
 
 
 CLIENT_WEIGHTINGS = ("by_size", "uniform")
@@ -120,7 +120,7 @@ def cohort_size(num_clients: int, clients_per_round: int | None = None, particip
 def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_per_round: int | None = None,
              participation: float | None = None,
              clients_per_chunk: int | str | None = layout.AUTO, backend: str = "vmap", client_weights=None,
-             hparams_fn: Callable[[int], dict] | None = None, evaluate_local: bool = True,
+             hparams_fn: Callable[[int], dict] | None = None, evaluate_local: bool = True, evaluate_every: int = 1,
              init_params=None, init_server=None, checkpoint_dir: str | None = None,
              mesh=None, client_groups=None, straggler_fraction: float = 0.0,
              straggler_weighting: str = "unchanged", attack: Attack | None = None, on_nonfinite: str = "drop",
@@ -143,6 +143,10 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
       client_weights: ``[N]`` overrides pi_n = m_n/m (renormalised over each cohort);
         ``"uniform"`` gives every client the same weight (the unweighted cohort mean).
       hparams_fn: ``round -> {"lr": ..., ...}`` overrides of the algorithm's hyper-parameters (traced).
+      evaluate_every: evaluate (GA, and LA with ``evaluate_local``) only every this many rounds; the
+        others record NaN for those metrics (``rounds`` must be a multiple, so the last round is
+        evaluated; a coarser curve: rounds-to-target counts only evaluated rounds; FedReg spec
+        decision 17).
       init_params: initial model parameters (default: ``algorithm.init_params``).
       init_server: a whole initial server state (e.g. from ``pretrain``), overriding ``init_params``.
       checkpoint_dir: save after every round and resume from the latest save.
@@ -169,6 +173,9 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
     """
     if rounds < 1:
         raise ValueError(f"rounds={rounds} must be >= 1")
+    if evaluate_every < 1 or rounds % evaluate_every:
+        raise ValueError(f"evaluate_every={evaluate_every} must be >= 1 and divide rounds={rounds}, so the last round "
+                         f"is evaluated; fix: e.g. rounds={rounds + (-rounds) % max(evaluate_every, 1)}")
     k = cohort_size(fed.num_clients, clients_per_round, participation)
     num_clients, arrays = fed.num_clients, round_arrays(fed, client_weights)
     if attack is not None:
@@ -186,7 +193,7 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
         raise ValueError(f"clients_per_chunk={clients_per_chunk!r}; give a number of clients >= 1, None (one vmap) "
                          f"or {layout.AUTO!r}")
     config = RoundConfig(num_clients=num_clients, clients_per_round=k, clients_per_chunk=None if auto else clients_per_chunk,
-                         evaluate_local=evaluate_local, pad_cohort_to=mesh.devices.size if mesh is not None else 1,
+                         evaluate_local=evaluate_local, evaluate_every=evaluate_every, pad_cohort_to=mesh.devices.size if mesh is not None else 1,
                          client_groups=groups, straggler_fraction=straggler_fraction,
                          straggler_weighting=straggler_weighting, attack=attack, on_nonfinite=on_nonfinite,
                          round_fractions=None if round_fractions is None else tuple(round_fractions))
@@ -236,8 +243,8 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
                 "this round); fix: check that client's data (bfedjax.data validates loaded files), lower the "
                 "learning rate, or let such clients drop out (on_nonfinite='drop')")
         if "global_accuracy" in record:
-            record["best_global_accuracy"] = max(record["global_accuracy"],
-                                                 history[-1]["best_global_accuracy"] if history else 0.0)
+            record["best_global_accuracy"] = float(np.nanmax([record["global_accuracy"], history[-1][
+                "best_global_accuracy"] if history else 0.0]))  # a round evaluate_every skips records NaN
         history.append(record)
         if checkpointer:
             checkpointer.save(r, state, history)
@@ -297,9 +304,12 @@ def _checked_groups(algorithm: Algorithm, client_groups, num_clients: int) -> tu
 
 
 def patience_reached(history: list[dict], patience: int, metric: str = "global_accuracy") -> bool:
-    """True once ``metric`` has not improved on its best for ``patience`` rounds (Keras EarlyStopping)."""
-    values = [h[metric] for h in history]
-    return len(values) - 1 - int(np.argmax(values)) >= patience
+    """True once ``metric`` has not improved on its best for ``patience`` rounds (Keras EarlyStopping);
+    rounds that were not evaluated (NaN, ``evaluate_every``) are skipped."""
+    values = np.asarray([h[metric] for h in history], np.float64)
+    if np.all(np.isnan(values)):
+        return False
+    return len(values) - 1 - int(np.nanargmax(values)) >= patience
 
 
 def pretrain(algorithm: Algorithm, x, y, *, epochs: int, key: jax.Array, num_classes: int, init_params=None,

@@ -7,8 +7,8 @@ import numpy as np
 
 
 def best_so_far(values: Sequence[float]) -> np.ndarray:
-    """Running maximum: entry r is max(values[:r+1])."""
-    return np.maximum.accumulate(np.asarray(values, dtype=np.float64))
+    """Running maximum: entry r is max(values[:r+1]); NaN (a round not evaluated) is skipped."""
+    return np.fmax.accumulate(np.asarray(values, dtype=np.float64))
 
 
 def rounds_to_target(values: Sequence[float], target: float) -> int | None:
