@@ -60,7 +60,8 @@ def table(results: dict) -> str:
     for label, res in results.items():
         s = res["summary"]
         reach = [str(s["rounds_to_target"][t]) if s["rounds_to_target"][t] else "-" for t in targets]
-        lines.append("| " + " | ".join([label, f"{s['round1_global_accuracy']:.4f}", f"{s['best_global_accuracy']:.4f}",
+        round1 = s["round1_global_accuracy"]  # None: --evaluate_every skipped round 1
+        lines.append("| " + " | ".join([label, "-" if round1 is None else f"{round1:.4f}", f"{s['best_global_accuracy']:.4f}",
                                         f"{s['final_global_accuracy']:.4f}", f"{s.get('best_local_accuracy', float('nan')):.4f}"]
                                        + reach) + " |")
     return "\n".join(lines)

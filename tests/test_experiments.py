@@ -326,3 +326,10 @@ def test_hbfl_report_weighs_the_largest_client_by_size_twice():
     rows = hbfl_report.client_size_table({(0.05, 0): [100, 300, 100], (0.05, 1): [5, 5]}, by, [0.05])
     assert rows[2] == "| 0.05 | 0 | 300, 100, 100 | 0.82 | 0.60 | -0.1000 |"
     assert rows[3] == "| 0.05 | 1 | 5, 5 | 0.50 | 0.50 | - |"
+
+
+def test_compare_table_marks_a_round_one_that_was_not_evaluated():
+    from experiments import compare
+    summary = {"round1_global_accuracy": None, "best_global_accuracy": 0.9, "final_global_accuracy": 0.85,
+               "best_local_accuracy": 0.8, "rounds_to_target": {"0.5": 2}}
+    assert "| fola | - | 0.9000 | 0.8500 | 0.8000 | 2 |" in compare.table({"fola": {"summary": summary}})
