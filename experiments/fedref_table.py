@@ -38,7 +38,7 @@ import time
 import numpy as np
 from absl import app, flags, logging
 
-from experiments import errors
+from experiments import errors, spread
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("quick", False, "1 seed, 8 classification and 6 segmentation rounds, nested partition only.")
@@ -118,9 +118,7 @@ def _mean_sd(values, digits=4) -> str:
     values = np.asarray(values, np.float64)
     if not np.all(np.isfinite(values)):
         return f"non-finite in {int(np.sum(~np.isfinite(values)))} of {len(values)} seeds"
-    if len(values) == 1:
-        return f"{values[0]:.{digits}f}"
-    return f"{values.mean():.{digits}f} ± {values.std(ddof=1):.{digits}f}"
+    return spread.mean_pm(values, digits)
 
 
 def _curve_table(records, methods, metric_pairs, rounds_shown) -> list[str]:

@@ -38,7 +38,7 @@ import time
 import numpy as np
 from absl import app, flags, logging
 
-from experiments import errors
+from experiments import errors, spread
 from experiments.hbfl_report import ablations, best, client_size_table, direction
 
 FLAGS = flags.FLAGS
@@ -120,13 +120,6 @@ def run_one(data, setting, method, alpha, seed):
     return record
 
 
-def _cell(values) -> str:
-    values = np.asarray(values, np.float64)
-    if len(values) == 1:
-        return f"{values[0]:.4f}"
-    return f"{values.mean():.4f} ± {values.std(ddof=1):.4f}"
-
-
 def report(records, alphas, seeds, command: str, data) -> str:
     by = {}
     for r in records:
@@ -149,7 +142,7 @@ def report(records, alphas, seeds, command: str, data) -> str:
         ga = [best(r) for r in cell]
         final = [r["global_accuracy"][-1] for r in cell]
         ca = [best(r, "client_accuracy") for r in cell]
-        lines.append(f"| {setting} | {alpha:g} | {method} | {_cell(ga)} | {_cell(final)} | {_cell(ca)} |")
+        lines.append(f"| {setting} | {alpha:g} | {method} | {spread.mean_pm(ga)} | {spread.mean_pm(final)} | {spread.mean_pm(ca)} |")
     lines += ["", "## Does the paper's Table 1 direction hold here?", ""] + direction(by, alphas)
     same = [alpha for alpha in alphas
             if all(by.get((setting, "hbfl", alpha)) for setting in ("hetero", "common", "bayes_only"))

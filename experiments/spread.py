@@ -22,4 +22,13 @@ def half_width(std: float, n: int, spread: str = "std") -> float:
     return float(stats.t.ppf(0.975, n - 1) * std / math.sqrt(n))
 
 
-__all__ = ["LABELS", "SPREADS", "half_width"]
+def mean_pm(values, digits: int = 4, spread: str = "std") -> str:
+    """``"mean ± half_width"`` of the runs ``values`` (just the value for one run), ``digits`` decimals."""
+    import numpy as np
+    values = np.asarray(values, np.float64)
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{values.mean():.{digits}f} ± {half_width(float(values.std(ddof=1)), len(values), spread):.{digits}f}"
+
+
+__all__ = ["LABELS", "SPREADS", "half_width", "mean_pm"]

@@ -235,6 +235,9 @@ def test_spread_is_the_sample_std_or_a_students_t_interval():
     assert spread.half_width(2.0, 10, "ci95") == pytest.approx(2.2622 * 2.0 / 10 ** 0.5, rel=1e-4)
     with pytest.raises(ValueError, match="spread"):
         spread.half_width(1.0, 3, "sem")
+    assert spread.mean_pm([0.5]) == "0.5000"  # one run: no spread
+    assert spread.mean_pm([0.1, 0.2, 0.3], 3) == "0.200 ± 0.100"
+    assert spread.mean_pm([0.1, 0.2, 0.3], 3, "ci95") == "0.200 ± 0.248"  # 4.3027 * 0.1 / sqrt(3)
 
 
 def test_bfl_rules_report_writes_the_chosen_spread(tmp_path):
