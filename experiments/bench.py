@@ -12,6 +12,10 @@ machine only ever adds time) of
   * vmap/cN  - the same jitted round in chunks of N clients (``--cpu_chunks``; uniform
                configurations, CPU only); ``vmap/c1`` runs the clients one after another
                inside the round without a vmap (the fast choice for convolutions on CPU),
+  * vmap/cNxD - chunks of N split over D devices (``RoundConfig.client_devices``): on a CPU,
+               ``--cpu_devices`` (default: one per core, ``core.layout.use_cpu_cores``) and
+               ``simulate``'s default there; with D > 1 the chunk variants run on D devices, and
+               the layout ``simulate`` picks on one device is timed too (``vmap`` or ``vmap/cN``),
   * stepwise - one jitted step per client per batch (FedJAX's default design),
   * torch    - a PyTorch loop over clients like the papers' code (needs torch; on the
                GPU when torch sees one),
@@ -88,6 +92,11 @@ flags.DEFINE_bool("fixed_local_steps", True, "Let the library's rounds take fixe
 flags.DEFINE_float("matmul_conv_max_mib", None, "On this platform, the largest per-client im2col patch matrix (MiB) "
                    "whose trained convolution runs as a matrix product (bfedjax.models.conv.MATMUL_CONV_MAX_BYTES; "
                    "0: XLA's convolutions only); default: the library's. Give other values their own --output_dir.")
+flags.DEFINE_string("cpu_devices", "auto", "On a CPU, split it into this many JAX devices before anything runs "
+                    "(bfedjax.core.layout.use_cpu_cores; 'auto': one per usable core; 1: one device): the library's "
+                    "chunk variants and default layout then train on all of them.")
+flags.register_validator("cpu_devices", lambda v: v == "auto" or (v.isdigit() and int(v) >= 1),
+                         message="--cpu_devices must be auto or a number >= 1, e.g. --cpu_devices=2")
 flags.DEFINE_bool("resume", False, "Keep the rows of --output_dir/bench.json (a run cut off on the same machine) "
                   "and time only the missing ones.")
 errors.check_list("backends", lambda b: b in BACKENDS, f"among {', '.join(BACKENDS)}", "vmap,stepwise")
@@ -220,20 +229,24 @@ def training_flops_per_sample(model, input_shape) -> float:
     return 3.0 * float(cost["flops"])
 
 
-def time_library(algorithm, fed, config: Config, backend: str, rounds: int, fixed_local_steps: bool = True) -> dict:
+def time_library(algorithm, fed, config: Config, backend: str, rounds: int, fixed_local_steps: bool = True,
+                 client_devices: int = 1) -> dict:
     """One library configuration's ``{"compile_s", "round_s" (fastest), "median_round_s", ...}`` over ``rounds``
     (vmap: also ``"trace_s"``, ``"lower_s"`` and ``"compile_only_s"``, the ahead-of-time compilation in all)
-    timed rounds after a warm-up; ``fixed_local_steps`` lets ``with_fixed_local_steps`` decide, as ``simulate``."""
+    timed rounds after a warm-up; ``fixed_local_steps`` lets ``with_fixed_local_steps`` decide, as ``simulate``;
+    ``client_devices``: the chunks split over this many devices (``RoundConfig.client_devices``)."""
     import jax
-    from bfedjax.core import RoundConfig, init_state, make_round_step, with_fixed_local_steps, with_own_buffers
+    from bfedjax.core import (RoundConfig, init_state, make_round_step, replicated_on, with_fixed_local_steps,
+                              with_own_buffers)
     from bfedjax.core.simulate import round_arrays, traced_hparams
     arrays = round_arrays(fed)
     round_config = RoundConfig(fed.num_clients, fed.num_clients, clients_per_chunk=config.clients_per_chunk,
-                               evaluate_local=False)
+                               evaluate_local=False, client_devices=client_devices if backend == "vmap" else 1)
     if fixed_local_steps:
         round_config = with_fixed_local_steps(round_config, arrays)
     params = algorithm.init_params(jax.random.PRNGKey(0), fed.input_shape)
     state = init_state(algorithm, params, round_config)
+    state, arrays = replicated_on(round_config, (state, arrays))  # one device: as they are
     state = with_own_buffers(state, params)  # donated below
     step = make_round_step(algorithm, round_config, backend, donate_state=backend == "vmap")  # as simulate runs it
     out = {}
@@ -295,6 +308,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     import jax
     import bfedjax as bf
+    cpu_devices = bf.core.layout.use_cpu_cores(None if FLAGS.cpu_devices == "auto" else int(FLAGS.cpu_devices))
     if FLAGS.bfl_gradient_estimator not in bf.vi.GRADIENT_ESTIMATORS:
         raise app.UsageError(f"--bfl_gradient_estimator={FLAGS.bfl_gradient_estimator}; fix: use one of "
                              f"{', '.join(bf.vi.GRADIENT_ESTIMATORS)}")
@@ -314,6 +328,7 @@ def main(argv):
                **library_settings()}
     if on_cpu:  # the default layout's chunks depend on it (core.layout)
         machine["last_level_cache_mib"] = bf.core.layout.last_level_cache_bytes() / 2**20
+        machine["cpu_devices"] = cpu_devices
     data = {shape: load_images(shape) for shape in {INPUT_SHAPES["mlp"]}}
     print(f"machine: {machine}; matmul peak {peak / 1e9:.1f} GFLOP/s; memory bandwidth {bandwidth / 1e9:.1f} GB/s; "
           f"data: {data[INPUT_SHAPES['mlp']].name}", flush=True)
@@ -347,6 +362,8 @@ def main(argv):
             agg_s = time_aggregation(algorithm, fed)
             # a configuration that names its chunks has no default row
             default = default_variant(algorithm, fed, config) if not config.clients_per_chunk else None
+            one_device = (default_variant(algorithm, fed, config, client_devices=1)
+                          if default and "x" in default else None)  # what the split gains
             # bfl and fedreg move more than FedAvg per step: counting them as FedAvg gives a lower bound
             traffic = bench_anchors.round_traffic_bytes(param_counts[config.model], 1, steps,
                                                         name if name == "fola" else "fedavg")
@@ -354,7 +371,8 @@ def main(argv):
             # quick mode: one timed round of the variational and FedReg clients (no target reads them)
             timed_rounds = FLAGS.rounds or config.rounds or (
                 1 if FLAGS.quick and name not in bench_torch.ALGORITHMS else rounds)
-            for backend in variants_of(config, name, backends, on_cpu, default):
+            for backend in variants_of(config, name, backends, on_cpu, default, cpu_devices if on_cpu else 1,
+                                       one_device):
                 if (config.name, name, backend) in done:
                     continue
                 result = measure(backend, algorithm, fed, config, name, model, timed_rounds)
@@ -388,22 +406,38 @@ def measure(backend: str, algorithm, fed, config: Config, name: str, model, roun
         first, best = bench_anchors.centralised_round_seconds(model, fed, config.batch_size, rounds=rounds)
         return {"compile_s": first, "round_s": best}
     elif backend.startswith("vmap/c"):
-        chunked = dataclasses.replace(config, clients_per_chunk=int(backend[len("vmap/c"):]))
-        return time_library(algorithm, fed, chunked, "vmap", rounds, FLAGS.fixed_local_steps)
+        chunk, _, devices = backend[len("vmap/c"):].partition("x")
+        chunked = dataclasses.replace(config, clients_per_chunk=int(chunk))
+        return time_library(algorithm, fed, chunked, "vmap", rounds, FLAGS.fixed_local_steps, int(devices or 1))
+    elif backend == "vmap" and config.clients_per_chunk:  # named chunks: split over the devices as simulate would
+        return time_library(algorithm, fed, config, backend, rounds, FLAGS.fixed_local_steps,
+                            default_devices(fed, config.clients_per_chunk))
     else:
         return time_library(algorithm, fed, config, backend, rounds, FLAGS.fixed_local_steps)
     return {"compile_s": times[0], "round_s": min(times[1:])}
 
 
-def default_variant(algorithm, fed, config: Config) -> str:
-    """The library variant ``simulate(..., clients_per_chunk="auto")`` runs: ``vmap`` or ``vmap/cN``."""
+def default_variant(algorithm, fed, config: Config, client_devices="auto") -> str:
+    """The library variant ``simulate`` runs with ``client_devices`` (default: its own choice) and its
+    automatic chunks: ``vmap``, ``vmap/cN`` or ``vmap/cNxD``."""
     import jax
-    from bfedjax.core import RoundConfig, init_state
+    from bfedjax.core import RoundConfig, init_state, with_client_devices
     from bfedjax.core.simulate import auto_layout, round_arrays
     round_config = RoundConfig(fed.num_clients, fed.num_clients, evaluate_local=False)
     state = init_state(algorithm, algorithm.init_params(jax.random.PRNGKey(0), fed.input_shape), round_config)
-    chunk = auto_layout(algorithm, round_config, state, round_arrays(fed))
+    chunk = auto_layout(algorithm, round_config, state, round_arrays(fed), client_devices)
+    round_config = with_client_devices(dataclasses.replace(round_config, clients_per_chunk=chunk), client_devices)
+    chunk, devices = round_config.clients_per_chunk, round_config.client_devices
+    if devices > 1:
+        return f"vmap/c{chunk}x{devices}"
     return "vmap" if chunk is None or chunk >= fed.num_clients else f"vmap/c{chunk}"
+
+
+def default_devices(fed, clients_per_chunk: int) -> int:
+    """The devices ``simulate`` splits a cohort of the whole federation in chunks of ``clients_per_chunk`` over."""
+    from bfedjax.core import RoundConfig, with_client_devices
+    config = RoundConfig(fed.num_clients, fed.num_clients, clients_per_chunk=clients_per_chunk)
+    return with_client_devices(config).client_devices
 
 
 def previous_rows(path: str) -> tuple[list[dict], float | None, float | None]:
@@ -458,9 +492,10 @@ def write_report(machine: dict, peak: float, bandwidth: float, data_name: str, r
 
 
 def variants_of(config: Config, algorithm: str, backends: list[str], on_cpu: bool = True,
-                default: str | None = "vmap") -> list[str]:
-    """The backends timed for one configuration and algorithm: library variants (chunked ones on a CPU,
-    and always the ``default`` layout) first, then the references."""
+                default: str | None = "vmap", devices: int = 1, one_device: str | None = None) -> list[str]:
+    """The backends timed for one configuration and algorithm: library variants (chunked ones on a CPU, split
+    over ``devices`` when several, always the ``default`` layout and ``one_device``, the layout ``simulate``
+    picks on one device) first, then the references."""
     chunks = [int(c) for c in (config.chunks or FLAGS.cpu_chunks) if int(c) < config.num_clients] if on_cpu else []
     if FLAGS.quick and algorithm not in bench_torch.ALGORITHMS:
         chunks = [c for c in chunks if c == 1]  # variational / FedReg: compiles take minutes; c1 only
@@ -468,9 +503,13 @@ def variants_of(config: Config, algorithm: str, backends: list[str], on_cpu: boo
     if "vmap" in backends:
         library = ["vmap"]
         if config.partition == "uniform" and not config.clients_per_chunk:
-            library += [f"vmap/c{c}" for c in chunks]
+            split = devices if devices > 1 else None  # with several devices the chunks run split over them
+            library += [f"vmap/c{c}x{split}" if split else f"vmap/c{c}" for c in chunks
+                        if not split or -(-config.num_clients // c) >= split]
         if default is not None and default not in library:
             library.append(default)
+        if one_device and one_device not in library:
+            library.append(one_device)
     references = [b for b in backends if not b.startswith("vmap")]
     if config.library_only:
         references = []

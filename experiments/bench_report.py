@@ -113,12 +113,14 @@ def markdown(report) -> str:
     m = report["machine"]
     bandwidth = report.get("memory_gb_per_s")
     cache = f", {m['last_level_cache_mib']:g} MiB last-level cache reported" if "last_level_cache_mib" in m else ""
+    cache += f", {m['cpu_devices']} JAX CPU devices" if "cpu_devices" in m else ""
     lines = [f"Machine: {m['platform']} ({m['device']}), {m['cpu_count']} cores{cache}, jax {m['jax']}; "
              f"measured matmul peak {report['matmul_peak_gflops']:.1f} GFLOP/s"
              + (f", memory bandwidth {bandwidth:.1f} GB/s" if bandwidth else "") + f"; data {report['data']}"
              + f"; library compute dtype {m.get('compute_dtype', 'float32')}"
              + f"; bfl gradient estimator {m.get('bfl_gradient_estimator', 'flipout')}.", "",
-             "`default`: the layout `simulate` picks by itself (`clients_per_chunk=\"auto\"`). Compile: the first "
+             "`default`: the layout `simulate` picks by itself (`clients_per_chunk=\"auto\"`, "
+             "`client_devices=\"auto\"`); `vmap/cNxD`: chunks of N split over D devices. Compile: the first "
              "round (compilation + one round).", "",
              "| configuration | algorithm | backend | round (s) | compile (s) | samples/s | GFLOP/s | % of peak | "
              "% of roofline | memory (MB) | aggregation share | padded work |",

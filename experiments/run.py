@@ -105,6 +105,9 @@ flags.DEFINE_float("participation", None, "Alternatively, the fraction of client
 flags.DEFINE_string("clients_per_chunk", "auto", "Train the cohort in chunks of this many clients (1: one after "
                     "another); 'none': the whole cohort in one vmap; 'auto': chosen from the platform, the model "
                     "and the cohort (bfedjax.core.layout).")
+flags.DEFINE_string("cpu_devices", "auto", "On a CPU, split it into this many JAX devices before anything runs and "
+                    "train the cohort's chunks on all of them at once (bfedjax.core.layout.use_cpu_cores; "
+                    "simulate's client_devices); 'auto': one per usable core; 1: one device.")
 flags.DEFINE_enum("backend", "vmap", list(bf.core.BACKENDS), "Round engine backend (debug: jit off, errors name "
                   "the client and the stage).")
 flags.DEFINE_enum("augment", "none", list(bf.data.AUGMENTATIONS), "Augment every local mini-batch inside the "
@@ -144,6 +147,8 @@ flags.register_validator("alpha", lambda v: 0 < v < float("inf"),
 flags.register_validator("clients_per_round", lambda v: v is None or v >= 1, message="--clients_per_round must be >= 1")
 flags.register_validator("participation", lambda v: v is None or 0 < v <= 1,
                          message="--participation must be in (0, 1], e.g. --participation=0.1")
+flags.register_validator("cpu_devices", lambda v: v == "auto" or (v.isdigit() and int(v) >= 1),
+                         message="--cpu_devices must be auto or a number >= 1, e.g. --cpu_devices=2")
 flags.register_validator("clients_per_chunk", lambda v: v in ("auto", "none") or (v.isdigit() and int(v) >= 1),
                          message="--clients_per_chunk must be auto, none or a number >= 1, e.g. --clients_per_chunk=2")
 flags.register_validator("pretrain_validation_fraction", lambda v: 0 <= v < 1,
@@ -546,6 +551,7 @@ def setup(argv: Sequence[str] = ("run",)) -> Experiment:
 def main(argv):
     logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
     import jax
+    use_cpu_cores()
 
     run = setup(argv)
     dataset, fed, algorithm = run.dataset, run.fed, run.algorithm
@@ -585,6 +591,21 @@ def main(argv):
         finish(run, result, log)
 
 
+def use_cpu_cores() -> int:
+    """``--cpu_devices`` applied (``bfedjax.core.layout.use_cpu_cores``) before JAX's first computation; ``auto``
+    in a process whose JAX already runs (a notebook, a test calling ``main``) keeps its devices."""
+    import jax
+    if FLAGS.cpu_devices == "auto":
+        from jax._src import xla_bridge  # no public API says whether the backends exist yet
+        if xla_bridge.backends_are_initialized():
+            return len(jax.devices("cpu"))
+        return bf.core.layout.use_cpu_cores()
+    try:
+        return bf.core.layout.use_cpu_cores(int(FLAGS.cpu_devices))
+    except RuntimeError as e:
+        raise app.UsageError(f"--cpu_devices={FLAGS.cpu_devices}: {e}") from None
+
+
 def clients_per_chunk() -> int | str | None:
     """``--clients_per_chunk`` as ``simulate`` takes it: a number, ``None`` (one vmap) or ``"auto"``."""
     value = FLAGS.clients_per_chunk
@@ -602,6 +623,7 @@ def finish(run: Experiment, result, log: round_log.RoundLog) -> None:
         "flags": {f.name: f.value for module in (__name__, algorithm_flags.__name__)
                   for f in FLAGS.get_key_flags_for_module(sys.modules[module])},
         "clients_per_chunk": result.clients_per_chunk,  # the layout the rounds ran with (None: one vmap)
+        "client_devices": result.client_devices,  # the devices its chunks were split over
         f"round1_global_{headline}": _number_or_none(ga[0]), f"final_global_{headline}": ga[-1],
         f"best_global_{headline}": float(np.nanmax(ga)),  # NaN: rounds --evaluate_every skipped
         "rounds_to_target": {t: bf.metrics.rounds_to_target(ga, float(t)) for t in FLAGS.targets},

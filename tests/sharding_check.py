@@ -1,4 +1,5 @@
-"""Run by tests/test_sharding.py in a process with 8 forced CPU devices: 8-device results equal 1-device ones."""
+"""Run by tests/test_sharding.py in a process with 8 forced CPU devices: 8-device results equal 1-device ones,
+both with the client axis sharded over a mesh and with the cohort's chunks split over devices (client_devices)."""
 import dataclasses
 import os
 import sys
@@ -32,11 +33,27 @@ cases = {
     "hbfl_groups_sampled": (bf.algorithms.hbfl(model, input_shape=(8, 8, 1), batch_size=16, local_models=(
         bf.models.get_model("mlp", 10, hidden=(8,)), bf.models.get_model("logistic", 10))),
         {"clients_per_round": 3, "client_groups": [0, 0, 1, 1, 1]}),
+    # a non-streaming aggregation: every device gathers every client's message
+    "median_sampled": (bf.algorithms.robust.with_robust_aggregation(bf.algorithms.fedavg(model, lr=0.1, batch_size=16),
+                                                                    "median"), {"clients_per_round": 4}),
 }
 for name, (algo, kwargs) in cases.items():
     data_of_case = kwargs.pop("fed", fed)
-    run = lambda m: bf.simulate(algo, data_of_case, rounds=2, key=jax.random.PRNGKey(0), mesh=m, **kwargs)
-    one, eight = run(None), run(mesh)
+    run = lambda **layout: bf.simulate(algo, data_of_case, rounds=2, key=jax.random.PRNGKey(0), **{**kwargs, **layout})
+    one = run(client_devices=1)
+    assert one.client_devices == 1
+    # the cohort's chunks over 4 devices (padded to a multiple of 4 chunks) and over every device (auto)
+    for devices in (4, "auto"):
+        split = run(client_devices=devices, clients_per_chunk=kwargs.get("clients_per_chunk", 1))
+        chunks = -(-kwargs.get("clients_per_round", 5) // split.clients_per_chunk)
+        assert split.client_devices == (4 if devices == 4 else min(8, chunks)), (split.client_devices, chunks)
+        assert one.metrics["nonfinite_clients"] == split.metrics["nonfinite_clients"]
+        np.testing.assert_allclose(one.metrics["global_accuracy"], split.metrics["global_accuracy"], atol=1e-6)
+        np.testing.assert_allclose(one.metrics["local_accuracy"], split.metrics["local_accuracy"], atol=1e-6)
+        chex.assert_trees_all_close(one.state, split.state, rtol=1e-5, atol=1e-6)
+        assert len(jax.tree.leaves(split.state.server)[0].sharding.device_set) == split.client_devices
+        print(name, "client_devices", split.client_devices, "ok", flush=True)
+    eight = run(mesh=mesh, client_devices=1)
     assert one.metrics["nonfinite_clients"] == eight.metrics["nonfinite_clients"]
     assert (sum(one.metrics["nonfinite_clients"]) > 0) == (data_of_case is nan_fed), one.metrics["nonfinite_clients"]
     np.testing.assert_allclose(one.metrics["global_accuracy"], eight.metrics["global_accuracy"], atol=1e-6)

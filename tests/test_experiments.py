@@ -160,6 +160,11 @@ def test_bench_quick_smoke_and_resume(tmp_path):
     library = [r["backend"] for r in first["rows"]]
     defaults = [r["backend"] for r in first["rows"] if r["default"]]
     assert library[0] == "vmap" and len(defaults) == 1 and defaults[0] in library
+    # --cpu_devices=auto: one JAX device per core; with several the default trains each device's clients in turn
+    from bfedjax.core import layout
+    devices = first["machine"]["cpu_devices"]
+    assert devices == layout.usable_cores()
+    assert defaults[0] == (f"vmap/c1x{devices}" if devices > 1 else defaults[0])
     # A resumed run keeps the rows already measured and times only the missing backend.
     out = _script("experiments.bench", "--backends=vmap,stepwise", "--resume", *flags)
     assert f"resuming: {len(library)} rows kept" in out.stdout

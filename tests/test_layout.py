@@ -118,3 +118,35 @@ def test_cache_size_is_read_from_the_os():
     size = layout.last_level_cache_bytes()
     assert isinstance(size, int) and size >= 2**15
     assert layout.tree_bytes({"a": jnp.zeros((3, 4)), "b": jnp.zeros(5, jnp.int8)}) == 3 * 4 * 4 + 5
+
+
+def test_client_devices_split_a_cpus_chunks_and_name_their_fixes(digits_fed):
+    """``auto_client_devices``: every CPU device, at most one per chunk; accelerators and a single device: 1.
+    (The split rounds equal the 1-device ones in tests/sharding_check.py, on 8 forced CPU devices.)"""
+    auto = layout.auto_client_devices
+    assert auto(platform="cpu", local_devices=2, clients_per_chunk=1, cohort=10) == 2
+    assert auto(platform="cpu", local_devices=8, clients_per_chunk=5, cohort=10) == 2  # two chunks
+    assert auto(platform="cpu", local_devices=8, clients_per_chunk=None, cohort=6) == 6  # one vmap: a client each
+    assert auto(platform="cpu", local_devices=1, clients_per_chunk=1, cohort=10) == 1
+    assert auto(platform="gpu", local_devices=4, clients_per_chunk=1, cohort=10) == 1
+    sizes = dict(convolutional=False, model_bytes=10**6, local_state_bytes=10**6, persistent_bytes_per_client=0,
+                 cohort=100, cache_bytes=2**30)
+    assert layout.auto_clients_per_chunk(platform="cpu", **sizes) == 10  # one device: chunks that fit 32 MiB
+    assert layout.auto_clients_per_chunk(platform="cpu", devices=2, **sizes) == 1  # a device per core: in turn
+    assert layout.auto_clients_per_chunk(platform="gpu", devices=2, **sizes) is None
+    config = RoundConfig(10, 7, clients_per_chunk=2, client_devices=2)
+    assert config.padded_cohort == 8  # a whole number of chunks on each device
+    with pytest.raises(ValueError, match="fix: set clients_per_chunk"):
+        RoundConfig(10, 7, client_devices=2)
+    mlp = bf.algorithms.build("fedavg", bf.models.get_model("mlp", 10, hidden=(8,)), digits_fed, batch_size=16)
+    run = lambda **kw: bf.simulate(mlp, digits_fed, rounds=1, key=jax.random.PRNGKey(0), **kw)
+    if len(jax.local_devices()) == 1:  # this test process: one device, so "auto" is 1 and 2 names the fix
+        assert run().client_devices == 1
+        with pytest.raises(ValueError, match="use_cpu_cores"):
+            run(client_devices=2)
+        assert layout.use_cpu_cores(1) == 1  # already so: nothing to change
+        with pytest.raises(RuntimeError, match="after JAX's first computation; fix: call it first"):
+            layout.use_cpu_cores(2)
+    with pytest.raises(ValueError, match="needs backend='vmap' and no mesh"):
+        run(client_devices=2, backend="sequential")
+    assert layout.usable_cores() >= 1

@@ -2,15 +2,17 @@
 from bfedjax.core import attacks, layout, sharding
 from bfedjax.core.attacks import ATTACKS, Attack
 from bfedjax.core.engine import (BACKENDS, Cohort, EngineState, RoundArrays, RoundConfig, StageError, init_state,
-                                 local_training, make_round_step, sample_cohort, with_fixed_local_steps,
+                                 local_training, make_round_step, replicated_on, sample_cohort, with_fixed_local_steps,
                                  with_own_buffers)
 from bfedjax.core.schedules import SCHEDULES, lr_schedule
 from bfedjax.core.simulate import (CLIENT_WEIGHTINGS, NonFiniteClientError, SimulationResult, cohort_size,
-                                   patience_reached, pretrain, round_arrays, simulate, traced_hparams)
+                                   patience_reached, pretrain, round_arrays, simulate, traced_hparams,
+                                   with_client_devices)
 from bfedjax.core.types import Algorithm, Batch, ClientContext, ClientData
 
 __all__ = ["attacks", "layout", "sharding", "ATTACKS", "BACKENDS", "CLIENT_WEIGHTINGS", "Algorithm", "Attack", "Batch",
            "ClientContext", "ClientData", "Cohort", "EngineState", "NonFiniteClientError", "RoundArrays", "RoundConfig",
            "SCHEDULES", "SimulationResult", "StageError", "cohort_size",
            "init_state", "local_training", "lr_schedule", "make_round_step", "patience_reached", "pretrain",
-           "round_arrays", "sample_cohort", "simulate", "traced_hparams", "with_fixed_local_steps", "with_own_buffers"]
+           "replicated_on", "round_arrays", "sample_cohort", "simulate", "traced_hparams", "with_client_devices",
+           "with_fixed_local_steps", "with_own_buffers"]

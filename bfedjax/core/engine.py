@@ -22,6 +22,14 @@ among the federation's real clients whatever their weights; a round whose
 real clients all weigh zero keeps the server state (their persistent state
 still moves).
 
+Parallel devices: ``RoundConfig.client_devices = D > 1`` runs the round under ``shard_map`` on
+the first ``D`` local devices (``client_device_mesh``), the data and the server state replicated
+on each: every device samples the same cohort, trains every ``D``-th of the cohort's size-sorted
+chunks, and the per-device results meet in one all-reduce (the streamed sums, each client's new
+persistent rows) or all-gather (the messages of a non-streaming aggregation); the aggregation
+then runs on every device alike. On a CPU each device is a core (``core.layout.use_cpu_cores``),
+so clients train on every core, where XLA:CPU runs one client's small kernels mostly on one.
+
 Architecture groups: ``RoundConfig.client_groups`` maps every client to a
 group (an architecture: HBFL's local models, a personalised head). A group's
 persistent state is its own pytree ``[N_group, ...]``; the cohort's clients of
@@ -73,6 +81,7 @@ STRAGGLER_KEY_STREAM = 0x57A6  # the straggler draw's key: fold_in(round key, th
 SUBSET_KEY_STREAM = 0x5B5E  # the round-subset draw's key: fold_in(round key, this)
 STRAGGLER_WEIGHTINGS = ("unchanged", "by_epochs")
 NONFINITE_POLICIES = ("drop", "stop")
+PARALLEL_AXIS = "client_devices"  # the mesh axis of RoundConfig.client_devices
 NO_BUDGET = jnp.iinfo(jnp.int32).max  # a step budget that never binds
 
 
@@ -136,6 +145,9 @@ class RoundConfig:
       on_nonfinite: a client whose message or new persistent state holds NaN or Inf is always left
         out of the round (mask and weight 0, the others renormalised; ``nonfinite_clients`` counts
         them); ``"stop"`` also reports ``first_nonfinite_client`` so ``simulate`` can stop the run.
+      client_devices: train the cohort's chunks on this many local devices at once (``D``; the module
+        docstring's "Parallel devices"); needs ``clients_per_chunk``, and the cohort is padded to a
+        multiple of ``D * clients_per_chunk``. 1: one device.
       fixed_local_steps: a promise that every real client holds exactly ``max_n`` samples (the
         arrays' padded length) and trains every batch: each epoch then runs ``ceil(max_n / B)``
         steps under ``lax.scan`` instead of a ``lax.while_loop`` that tests every step (on a GPU a
@@ -156,6 +168,7 @@ class RoundConfig:
     attack: Attack | None = None
     on_nonfinite: str = "drop"
     fixed_local_steps: bool = False
+    client_devices: int = 1
 
     def __post_init__(self):
         if not 1 <= self.clients_per_round <= self.num_clients:
@@ -165,6 +178,11 @@ class RoundConfig:
             raise ValueError(f"evaluate_every={self.evaluate_every} must be >= 1 (1: evaluate every round)")
         if self.clients_per_chunk is not None and self.clients_per_chunk < 1:
             raise ValueError(f"clients_per_chunk={self.clients_per_chunk} must be >= 1 (or None for no chunking)")
+        if int(self.client_devices) < 1:
+            raise ValueError(f"client_devices={self.client_devices} must be >= 1 (1: one device)")
+        if self.client_devices > 1 and (self.clients_per_chunk is None or self.pad_cohort_to > 1):
+            raise ValueError(f"client_devices={self.client_devices} splits the cohort's chunks over devices; fix: set "
+                             "clients_per_chunk, and do not also shard the client axis over a mesh")
         if self.client_groups is not None:
             groups = tuple(int(g) for g in self.client_groups)
             if len(groups) != self.num_clients or min(groups) < 0:
@@ -193,7 +211,7 @@ class RoundConfig:
         return self._rounded_up(self.clients_per_round)
 
     def _rounded_up(self, slots: int) -> int:
-        multiple = math.lcm(self.clients_per_chunk or 1, self.pad_cohort_to)
+        multiple = math.lcm((self.clients_per_chunk or 1) * self.client_devices, self.pad_cohort_to)
         return math.ceil(slots / multiple) * multiple
 
     @property
@@ -693,8 +711,55 @@ def _streamed_group(algorithm, config, state, arrays, sub, train, persistent, gr
         persistent = _scatter(persistent, _group_rows(config, xs[0], group), kept, new_persistent)
         return (add(sums, new_sums), persistent), None
 
-    (sums, persistent), _ = jax.lax.scan(body, (zeros, persistent), chunks)
-    return sums, persistent, add
+    if config.client_devices == 1:
+        (sums, persistent), _ = jax.lax.scan(body, (zeros, persistent), chunks)
+        return sums, persistent, add
+    mine = _device_share(chunks, config.client_devices)
+    (sums, new_persistent), _ = jax.lax.scan(body, (zeros, persistent), mine)
+    (kept, count, first) = sums[3]
+    sums = jax.lax.psum((sums[:3], kept, count), PARALLEL_AXIS)
+    sums = sums[0] + ((sums[1], sums[2], jax.lax.pmin(first, PARALLEL_AXIS)),)
+    written = _written_rows(config, persistent, mine[0], mine[1], group)
+    return sums, _merge_persistent(persistent, new_persistent, written), add
+
+
+def _device_share(chunks, devices: int):
+    """This device's chunks, ``[n_chunks, ...] -> [n_chunks / devices, ...]``: every ``devices``-th chunk from its
+    index on (the cohort is sorted by size, so the devices' shares are alike)."""
+    me = jax.lax.axis_index(PARALLEL_AXIS)
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a.reshape((-1, devices) + a.shape[1:]), me, axis=1,
+                                                               keepdims=False), chunks)
+
+
+def _gathered_shares(per_device):
+    """Every device's ``_device_share`` outputs ``[n_chunks / D, ...]`` on every device, in chunk order ``[n_chunks, ...]``."""
+    everyone = jax.lax.all_gather(per_device, PARALLEL_AXIS)  # [D, n_chunks / D, ...]
+    return jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1).reshape((-1,) + a.shape[2:]), everyone)
+
+
+def _written_rows(config, persistent, ids, mask, group: int):
+    """``[N_group]`` bool: the persistent rows this device's real clients (``ids``, ``mask``: any shape) own."""
+    if not jax.tree.leaves(persistent):
+        return None
+    rows = jax.tree.leaves(persistent)[0].shape[0]
+    owned = jnp.where(mask.reshape(-1) > 0, _group_rows(config, ids.reshape(-1), group), rows)
+    return jnp.zeros((rows,), bool).at[owned].set(True, mode="drop")
+
+
+def _merge_persistent(old, new, written):
+    """Every device's copy of the persistent state with every device's written rows: each row comes from
+    the one device that trained its client (an all-reduce of it and zeros, so exactly), else stays ``old``."""
+    if written is None:
+        return old
+    anyone = jax.lax.psum(written.astype(jnp.int32), PARALLEL_AXIS) > 0
+
+    def merge(o, n):
+        shape = (-1,) + (1,) * (o.ndim - 1)
+        exact = n.astype(jnp.int32) if n.dtype == jnp.bool_ else n
+        ours = jax.lax.psum(jnp.where(written.reshape(shape), exact, jnp.zeros_like(exact)), PARALLEL_AXIS)
+        return jnp.where(anyone.reshape(shape), ours.astype(o.dtype), o)
+
+    return jax.tree.map(merge, old, new)
 
 
 def _streamed_round(algorithm, config, state, arrays, cohort, groups, trainer, hparams, server_key):
@@ -754,12 +819,34 @@ def make_round_step(algorithm: Algorithm, config: RoundConfig, backend: str = "v
     if backend == "vmap":
         def round_step(state, arrays, key, hparams):
             return _vmapped_round(algorithm, config, state, arrays, key, hparams)
+        if config.client_devices > 1:  # every input and output replicated; _vmapped_round splits the chunks
+            mesh = client_device_mesh(config.client_devices)
+            replicated = jax.sharding.PartitionSpec()
+            round_step = jax.shard_map(round_step, mesh=mesh, in_specs=replicated, out_specs=replicated,
+                                       check_vma=False)
         return jax.jit(round_step, donate_argnums=0 if donate_state else ())
     if backend == "sequential":
         return _sequential_round_fn(algorithm, config)
     if backend == "stepwise":
         return _looped_round(algorithm, config, _looped_client(algorithm, config, jax.jit, _call), jax.jit)
     return _debug_round_fn(algorithm, config)
+
+
+def client_device_mesh(devices: int) -> jax.sharding.Mesh:
+    """The 1-D mesh (axis ``PARALLEL_AXIS``) of the first ``devices`` local devices, for ``client_devices``."""
+    local = jax.local_devices()
+    if devices > len(local):
+        raise ValueError(f"client_devices={devices} but JAX sees {len(local)} local device(s); fix: fewer, or on a CPU "
+                         "call bfedjax.core.layout.use_cpu_cores() before JAX's first computation")
+    return jax.sharding.Mesh(np.asarray(local[:devices]), (PARALLEL_AXIS,))
+
+
+def replicated_on(config: RoundConfig, tree):
+    """``tree`` placed on every device of ``client_device_mesh`` (as is with one device): the round's inputs."""
+    if config.client_devices == 1:
+        return tree
+    sharding = jax.sharding.NamedSharding(client_device_mesh(config.client_devices), jax.sharding.PartitionSpec())
+    return jax.device_put(tree, sharding)
 
 
 def with_own_buffers(state, *keep):
@@ -818,7 +905,12 @@ def _vmapped_round(algorithm, config, state, arrays, key, hparams):
         else:
             n_chunks = slots // chunk
             split = lambda a: a.reshape((n_chunks, chunk) + a.shape[1:])
-            out = jax.lax.map(lambda args: trainer(g)(*args), (split(sub.ids), split(sub.keys), split(sub.budgets)))
+            chunks = (split(sub.ids), split(sub.keys), split(sub.budgets))
+            if config.client_devices > 1:
+                chunks = _device_share(chunks, config.client_devices)
+            out = jax.lax.map(lambda args: trainer(g)(*args), chunks)
+            if config.client_devices > 1:  # every device gets every client's outputs, in cohort order
+                out = _gathered_shares(out)
             outputs = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), out)
         messages, new_persistent, client_metrics = outputs
         finite = finite_rows((messages, new_persistent), slots)  # a non-finite client keeps its old state

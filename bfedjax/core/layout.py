@@ -25,6 +25,15 @@ is traced:
   --only="mlp K=100" --cpu_chunks=1,2,5`` at 73508be). Counting four copies of the whole
   server state instead gave FOLA (whose server also holds the precision) chunks of 5,
   1.04-1.17x slower than chunks of 10 or one vmap (``results/bench/CHANGES.md``).
+* **CPU with several devices** (``use_cpu_cores``: one XLA device per core): the cohort
+  split over the devices (``auto_client_devices``; ``RoundConfig.client_devices``), each
+  device training its clients one after another (chunks of 1, dense models too). XLA:CPU
+  runs one client's small kernels mostly on one core (a FedReg-CNN step, and its
+  convolutions alone, take the same time with the Eigen thread pool switched off); a device
+  per core keeps every core busy, and there a vmap over a device's clients no longer pays:
+  on 2 cores the bench's MLP FedAvg round at K = 100, B = 10 took 0.121 s in chunks of 1 per
+  device against 0.167 s in chunks of 10 per device and 0.233 s in chunks of 10 on one
+  device (``results/bench/CHANGES.md``).
 * **GPU/TPU**: one vmap over the whole cohort (the padded work runs in
   parallel), or chunks when every client's training state would not fit in
   ``MEMORY_SHARE`` of the device's memory.
@@ -59,7 +68,8 @@ DEFAULT_CACHE_BYTES = 8 * 2**20
 
 def auto_clients_per_chunk(*, convolutional: bool, model_bytes: int, local_state_bytes: int,
                            persistent_bytes_per_client: float, cohort: int, platform: str,
-                           device_memory_bytes: int | None = None, cache_bytes: int | None = None) -> int | None:
+                           device_memory_bytes: int | None = None, cache_bytes: int | None = None,
+                           devices: int = 1) -> int | None:
     """Clients per chunk for a round (``None``: the whole cohort in one vmap).
 
     Args:
@@ -72,10 +82,12 @@ def auto_clients_per_chunk(*, convolutional: bool, model_bytes: int, local_state
       platform: ``"cpu"``, ``"gpu"`` or ``"tpu"``.
       device_memory_bytes: the accelerator's memory (``None``: unknown, never chunk).
       cache_bytes: the CPU's last-level cache (``None``: read from the OS, else 8 MiB).
+      devices: the devices the round may split its chunks over (``auto_client_devices``): a CPU split into
+        several trains each device's clients one after another (1).
     """
     client_bytes = local_state_bytes + WORKING_COPIES * model_bytes + persistent_bytes_per_client
     if platform == "cpu":
-        if convolutional:
+        if convolutional or devices > 1:
             return 1
         budget = min(CHUNK_STATE_BYTES, cache_bytes or last_level_cache_bytes())
         chunk = cheapest_chunk(cohort, int(max(1, budget // client_bytes)))
@@ -83,6 +95,42 @@ def auto_clients_per_chunk(*, convolutional: bool, model_bytes: int, local_state
     if device_memory_bytes is None or cohort * client_bytes <= MEMORY_SHARE * device_memory_bytes:
         return None
     return cheapest_chunk(cohort, int(max(1, MEMORY_SHARE * device_memory_bytes // client_bytes)))
+
+
+def auto_client_devices(*, platform: str, local_devices: int, clients_per_chunk: int | None, cohort: int) -> int:
+    """Devices to split the cohort's chunks over (``RoundConfig.client_devices``): on a CPU every local
+    device (``use_cpu_cores``), at most one per chunk; 1 elsewhere (an accelerator trains a chunk's
+    clients in parallel itself; several accelerators take ``simulate(mesh=...)``)."""
+    if platform != "cpu" or local_devices < 2:
+        return 1
+    chunks = cohort if clients_per_chunk is None else -(-cohort // clients_per_chunk)
+    return max(1, min(local_devices, chunks))
+
+
+def use_cpu_cores(devices: int | None = None) -> int:
+    """Lets JAX's CPU backend show ``devices`` devices (default: this process's usable cores), so that
+    ``simulate`` trains clients on every core (``auto_client_devices``). Call it before JAX's first
+    computation (``experiments.run`` does, from ``--cpu_devices``); afterwards the device count is
+    fixed and this raises. Arrays and computations not placed otherwise stay on device 0. Returns the count."""
+    import jax._src.xla_bridge as xla_bridge  # whether the backends exist yet: no public API says
+    count = int(devices) if devices is not None else usable_cores()
+    if count < 1:
+        raise ValueError(f"use_cpu_cores({devices}); fix: give a device count >= 1")
+    if xla_bridge.backends_are_initialized():
+        if len(jax.devices("cpu")) == count:
+            return count
+        raise RuntimeError(f"use_cpu_cores({count}) after JAX's first computation; fix: call it first (right after "
+                           "the imports), or leave the CPU as one device")
+    jax.config.update("jax_num_cpu_devices", count)
+    return count
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask; ``os.cpu_count()`` where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def cheapest_chunk(cohort: int, largest: int) -> int:

@@ -16,7 +16,7 @@ import numpy as np
 from bfedjax.core.attacks import Attack, flip_labels
 from bfedjax.core import layout
 from bfedjax.core.engine import (EngineState, RoundArrays, RoundConfig, client_inputs, client_test_data, init_state,
-                                 make_round_step, with_fixed_local_steps, with_own_buffers)
+                                 make_round_step, replicated_on, with_fixed_local_steps, with_own_buffers)
 from bfedjax.core.types import Algorithm, ClientContext
 
 
@@ -30,12 +30,14 @@ class SimulationResult:
     the evaluate hook's ``global_<name>`` / ``local_<name>`` (for classification ``global_accuracy``,
     ``global_loss``, ``local_accuracy``, ``local_loss``, and ``best_global_accuracy``, the best so far);
     state: the final ``EngineState``; clients_per_chunk: the layout the rounds ran with (``None``: the
-    whole cohort in one vmap; with ``"auto"``, what ``core.layout`` chose)."""
+    whole cohort in one vmap; with ``"auto"``, what ``core.layout`` chose); client_devices: the devices
+    the cohort's chunks were split over (``RoundConfig.client_devices``)."""
 
     algorithm: str
     metrics: dict
     state: EngineState
     clients_per_chunk: int | None = None
+    client_devices: int = 1
 
     @property
     def best_global_accuracy(self) -> float:
@@ -125,7 +127,8 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
              mesh=None, client_groups=None, straggler_fraction: float = 0.0,
              straggler_weighting: str = "unchanged", attack: Attack | None = None, on_nonfinite: str = "drop",
              round_fractions: Sequence[float] | None = None, on_round: Callable[[dict], None] | None = None,
-             stop_when: Callable[[list[dict]], bool] | None = None) -> SimulationResult:
+             stop_when: Callable[[list[dict]], bool] | None = None,
+             client_devices: int | str = layout.AUTO) -> SimulationResult:
     """Runs ``rounds`` federated rounds.
 
     Args:
@@ -138,6 +141,11 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
         bounded memory); ``None``: the whole cohort in one vmap; ``"auto"`` (default): chosen from the
         platform, the model and the cohort by ``core.layout.auto_clients_per_chunk`` (the vmap backend
         only; ``result.clients_per_chunk`` says which).
+      client_devices: split the cohort's chunks over this many local devices (``RoundConfig.client_devices``;
+        the vmap backend, no ``mesh``); ``"auto"`` (default): on a CPU every local device, so every
+        core when ``core.layout.use_cpu_cores()`` ran first (``experiments.run`` does), else 1
+        (``result.client_devices`` says which). With ``clients_per_chunk=None``, more than one device
+        splits the cohort into one chunk per device.
       backend: "vmap" (one jitted round), "sequential" or "stepwise" (reference loops) or
         "debug" (jit off; errors name the client and the stage).
       client_weights: ``[N]`` overrides pi_n = m_n/m (renormalised over each cohort);
@@ -211,7 +219,9 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
     if mesh is not None:
         state = sharding.shard_state(state, mesh)
     if auto and backend == "vmap" and mesh is None:
-        config = dataclasses.replace(config, clients_per_chunk=auto_layout(algorithm, config, state, arrays))
+        config = dataclasses.replace(config, clients_per_chunk=auto_layout(algorithm, config, state, arrays,
+                                                                           client_devices))
+    config = with_client_devices(config, client_devices, backend, mesh)
     donate = backend == "vmap"
     round_step = make_round_step(algorithm, config, backend, donate_state=donate)
 
@@ -228,6 +238,7 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
         if restored is not None:
             _, state, history = restored
             del restored  # the initial state is garbage now: no second copy for the whole run
+    state, arrays = replicated_on(config, (state, arrays))  # one device: as they are
     if donate:  # the rounds update the state in place: copy only what the caller holds or what is held twice
         state = with_own_buffers(state, *callers_arrays)
     for r in range(len(history) + 1, rounds + 1):
@@ -255,13 +266,36 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
     if checkpointer:
         checkpointer.close()
     metrics = {k: [h[k] for h in history] for k in history[0]}
-    return SimulationResult(algorithm.name, metrics, state, config.clients_per_chunk)
+    return SimulationResult(algorithm.name, metrics, state, config.clients_per_chunk, config.client_devices)
 
 
-def auto_layout(algorithm: Algorithm, config: RoundConfig, state: EngineState, arrays: RoundArrays) -> int | None:
+def with_client_devices(config: RoundConfig, client_devices=layout.AUTO, backend: str = "vmap",
+                        mesh=None) -> RoundConfig:
+    """``config`` with ``client_devices`` resolved (``"auto"``: ``core.layout.auto_client_devices``); more than
+    one device with no chunks gives each device one chunk."""
+    if isinstance(client_devices, str):
+        if client_devices != layout.AUTO:
+            raise ValueError(f"client_devices={client_devices!r}; give a device count >= 1 or {layout.AUTO!r}")
+        if backend != "vmap" or mesh is not None:
+            return config
+        client_devices = layout.auto_client_devices(
+            platform=jax.devices()[0].platform, local_devices=len(jax.local_devices()),
+            clients_per_chunk=config.clients_per_chunk, cohort=config.clients_per_round)
+    if int(client_devices) == 1:
+        return config
+    if backend != "vmap" or mesh is not None:
+        raise ValueError(f"client_devices={client_devices} needs backend='vmap' and no mesh; fix: client_devices=1, or "
+                         "shard the clients with mesh= instead")
+    chunk = config.clients_per_chunk or -(-config.clients_per_round // int(client_devices))
+    return dataclasses.replace(config, clients_per_chunk=chunk, client_devices=int(client_devices))
+
+
+def auto_layout(algorithm: Algorithm, config: RoundConfig, state: EngineState, arrays: RoundArrays,
+                client_devices: int | str = layout.AUTO) -> int | None:
     """``core.layout.auto_clients_per_chunk`` for this round, from the model's, the clients' and their local
-    training state's sizes."""
+    training state's sizes, and the devices ``client_devices`` may split the round over."""
     device = jax.devices()[0]
+    devices = len(jax.local_devices()) if client_devices == layout.AUTO else int(client_devices)
     params = algorithm.global_params(state.server)
     return layout.auto_clients_per_chunk(
         convolutional=layout.has_conv_kernels(params, state.persistent),
@@ -269,7 +303,7 @@ def auto_layout(algorithm: Algorithm, config: RoundConfig, state: EngineState, a
         local_state_bytes=local_state_bytes(algorithm, config, state, arrays),
         persistent_bytes_per_client=layout.tree_bytes(state.persistent) / config.num_clients,
         cohort=config.clients_per_round, platform=device.platform,
-        device_memory_bytes=layout.device_memory_bytes(device))
+        device_memory_bytes=layout.device_memory_bytes(device), devices=devices)
 
 
 def local_state_bytes(algorithm: Algorithm, config: RoundConfig, state: EngineState, arrays: RoundArrays) -> int:

@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import numpyro
 import numpyro.distributions as dist
 import optax
@@ -91,7 +93,7 @@ class MeanFieldConfig:
     """
 
     prior_scale: float = 10.0
-    init_scale: float = float(jax.nn.softplus(-3.0))
+    init_scale: float = float(np.float32(math.log1p(math.exp(-3.0))))  # softplus(-3) in float32, JAX not started
     init_loc: str = "normal"
     init_loc_std: float = 0.1
     variational_biases: bool = False
