@@ -129,6 +129,12 @@ def test_client_devices_split_a_cpus_chunks_and_name_their_fixes(digits_fed):
     assert auto(platform="cpu", local_devices=8, clients_per_chunk=None, cohort=6) == 6  # one vmap: a client each
     assert auto(platform="cpu", local_devices=1, clients_per_chunk=1, cohort=10) == 1
     assert auto(platform="gpu", local_devices=4, clients_per_chunk=1, cohort=10) == 1
+    # every device holds a copy of the data and state: no more devices than half the RAM holds copies
+    assert auto(platform="cpu", local_devices=8, clients_per_chunk=1, cohort=10, replicated_bytes=3 * 2**30,
+                memory_bytes=16 * 2**30) == 2
+    assert auto(platform="cpu", local_devices=8, clients_per_chunk=1, cohort=10, replicated_bytes=9 * 2**30,
+                memory_bytes=16 * 2**30) == 1
+    assert layout.physical_memory_bytes() > 2**28
     sizes = dict(convolutional=False, model_bytes=10**6, local_state_bytes=10**6, persistent_bytes_per_client=0,
                  cohort=100, cache_bytes=2**30)
     assert layout.auto_clients_per_chunk(platform="cpu", **sizes) == 10  # one device: chunks that fit 32 MiB

@@ -63,6 +63,8 @@ CHUNK_STATE_BYTES = 32 * 2**20
 # 2.4 ms per client slot and 1.2 ms per chunk.
 CHUNK_OVERHEAD_CLIENTS = 0.5
 MEMORY_SHARE = 0.25     # accelerators: chunk only when the cohort's state exceeds this share of memory
+# A CPU split into devices holds the round's data and state once per device: at most this share of the RAM.
+REPLICA_MEMORY_SHARE = 0.5
 DEFAULT_CACHE_BYTES = 8 * 2**20
 
 
@@ -97,14 +99,29 @@ def auto_clients_per_chunk(*, convolutional: bool, model_bytes: int, local_state
     return cheapest_chunk(cohort, int(max(1, MEMORY_SHARE * device_memory_bytes // client_bytes)))
 
 
-def auto_client_devices(*, platform: str, local_devices: int, clients_per_chunk: int | None, cohort: int) -> int:
+def auto_client_devices(*, platform: str, local_devices: int, clients_per_chunk: int | None, cohort: int,
+                        replicated_bytes: int = 0, memory_bytes: int | None = None) -> int:
     """Devices to split the cohort's chunks over (``RoundConfig.client_devices``): on a CPU every local
-    device (``use_cpu_cores``), at most one per chunk; 1 elsewhere (an accelerator trains a chunk's
-    clients in parallel itself; several accelerators take ``simulate(mesh=...)``)."""
+    device (``use_cpu_cores``), at most one per chunk, and only as many as hold a copy each of the
+    ``replicated_bytes`` (the round's data and state) in ``REPLICA_MEMORY_SHARE`` of ``memory_bytes``
+    (default: the machine's RAM); 1 elsewhere (an accelerator trains a chunk's clients in parallel itself;
+    several accelerators take ``simulate(mesh=...)``)."""
     if platform != "cpu" or local_devices < 2:
         return 1
     chunks = cohort if clients_per_chunk is None else -(-cohort // clients_per_chunk)
-    return max(1, min(local_devices, chunks))
+    devices = min(local_devices, chunks)
+    if replicated_bytes > 0:
+        memory = memory_bytes or physical_memory_bytes()
+        devices = min(devices, int(REPLICA_MEMORY_SHARE * memory // replicated_bytes))
+    return max(1, devices)
+
+
+def physical_memory_bytes() -> int:
+    """The machine's RAM (``os.sysconf``), else 8 GiB where the OS does not say."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return 8 * 2**30
 
 
 def use_cpu_cores(devices: int | None = None) -> int:

@@ -221,7 +221,8 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
     if auto and backend == "vmap" and mesh is None:
         config = dataclasses.replace(config, clients_per_chunk=auto_layout(algorithm, config, state, arrays,
                                                                            client_devices))
-    config = with_client_devices(config, client_devices, backend, mesh)
+    config = with_client_devices(config, client_devices, backend, mesh,
+                                 replicated_bytes=layout.tree_bytes(arrays) + layout.tree_bytes(state))
     donate = backend == "vmap"
     round_step = make_round_step(algorithm, config, backend, donate_state=donate)
 
@@ -270,9 +271,10 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
 
 
 def with_client_devices(config: RoundConfig, client_devices=layout.AUTO, backend: str = "vmap",
-                        mesh=None) -> RoundConfig:
+                        mesh=None, replicated_bytes: int = 0) -> RoundConfig:
     """``config`` with ``client_devices`` resolved (``"auto"``: ``core.layout.auto_client_devices``); more than
-    one device with no chunks gives each device one chunk."""
+    one device with no chunks gives each device one chunk. ``replicated_bytes``: what every device holds a copy
+    of (the round's data and state): ``"auto"`` takes no more devices than the RAM allows."""
     if isinstance(client_devices, str):
         if client_devices != layout.AUTO:
             raise ValueError(f"client_devices={client_devices!r}; give a device count >= 1 or {layout.AUTO!r}")
@@ -280,7 +282,8 @@ def with_client_devices(config: RoundConfig, client_devices=layout.AUTO, backend
             return config
         client_devices = layout.auto_client_devices(
             platform=jax.devices()[0].platform, local_devices=len(jax.local_devices()),
-            clients_per_chunk=config.clients_per_chunk, cohort=config.clients_per_round)
+            clients_per_chunk=config.clients_per_chunk, cohort=config.clients_per_round,
+            replicated_bytes=replicated_bytes)
     if int(client_devices) == 1:
         return config
     if backend != "vmap" or mesh is not None:
