@@ -596,8 +596,7 @@ def use_cpu_cores() -> int:
     in a process whose JAX already runs (a notebook, a test calling ``main``) keeps its devices."""
     import jax
     if FLAGS.cpu_devices == "auto":
-        from jax._src import xla_bridge  # no public API says whether the backends exist yet
-        if xla_bridge.backends_are_initialized():
+        if bf.core.layout.jax_started():
             return len(jax.devices("cpu"))
         return bf.core.layout.use_cpu_cores()
     try:

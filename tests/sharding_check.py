@@ -66,5 +66,13 @@ for name, (algo, kwargs) in cases.items():
     leaf = jax.tree.leaves(eight.state.server)[0]
     assert len(leaf.sharding.device_set) == 8, leaf.sharding
     print(name, "ok", flush=True)
+# a device split the RAM cannot hold copies for falls back to one device, with the one-device chunks
+bf.core.layout.REPLICA_MEMORY_SHARE, share = 1e-12, bf.core.layout.REPLICA_MEMORY_SHARE
+algo = cases["fola_everyone"][0]
+capped = bf.simulate(algo, fed, rounds=1, key=jax.random.PRNGKey(0))
+one = bf.simulate(algo, fed, rounds=1, key=jax.random.PRNGKey(0), client_devices=1)
+bf.core.layout.REPLICA_MEMORY_SHARE = share
+assert capped.client_devices == 1 and capped.clients_per_chunk == one.clients_per_chunk, (
+    capped.client_devices, capped.clients_per_chunk, one.clients_per_chunk)
 print("SHARDING OK")
 sys.exit(0)

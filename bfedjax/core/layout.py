@@ -129,17 +129,22 @@ def use_cpu_cores(devices: int | None = None) -> int:
     ``simulate`` trains clients on every core (``auto_client_devices``). Call it before JAX's first
     computation (``experiments.run`` does, from ``--cpu_devices``); afterwards the device count is
     fixed and this raises. Arrays and computations not placed otherwise stay on device 0. Returns the count."""
-    import jax._src.xla_bridge as xla_bridge  # whether the backends exist yet: no public API says
     count = int(devices) if devices is not None else usable_cores()
     if count < 1:
         raise ValueError(f"use_cpu_cores({devices}); fix: give a device count >= 1")
-    if xla_bridge.backends_are_initialized():
+    if jax_started():
         if len(jax.devices("cpu")) == count:
             return count
         raise RuntimeError(f"use_cpu_cores({count}) after JAX's first computation; fix: call it first (right after "
                            "the imports), or leave the CPU as one device")
     jax.config.update("jax_num_cpu_devices", count)
     return count
+
+
+def jax_started() -> bool:
+    """Whether JAX's backends exist yet (after them the CPU's device count is fixed)."""
+    from jax._src import xla_bridge  # no public API says
+    return xla_bridge.backends_are_initialized()
 
 
 def usable_cores() -> int:

@@ -218,11 +218,12 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
         state = state._replace(server=init_server)
     if mesh is not None:
         state = sharding.shard_state(state, mesh)
-    if auto and backend == "vmap" and mesh is None:
-        config = dataclasses.replace(config, clients_per_chunk=auto_layout(algorithm, config, state, arrays,
-                                                                           client_devices))
-    config = with_client_devices(config, client_devices, backend, mesh,
-                                 replicated_bytes=layout.tree_bytes(arrays) + layout.tree_bytes(state))
+    replicated_bytes = layout.tree_bytes(arrays) + layout.tree_bytes(state)
+    if auto and backend == "vmap" and mesh is None:  # chunks for the most devices the split may take (one per client)
+        most = with_client_devices(dataclasses.replace(config, clients_per_chunk=1), client_devices, backend, mesh,
+                                   replicated_bytes).client_devices
+        config = dataclasses.replace(config, clients_per_chunk=auto_layout(algorithm, config, state, arrays, most))
+    config = with_client_devices(config, client_devices, backend, mesh, replicated_bytes)
     donate = backend == "vmap"
     round_step = make_round_step(algorithm, config, backend, donate_state=donate)
 
