@@ -1,4 +1,5 @@
 """Round engine: backend parity, chunking, padding, the cohort mask, metrics, determinism, no recompiles."""
+import dataclasses
 import math
 
 import chex
@@ -144,6 +145,50 @@ def test_fixed_local_steps_give_the_loops_round(name, k, chunk, pad, equal_fed, 
     assert fixed.fixed_local_steps and not loop.fixed_local_steps
     got = _round(algo, equal_fed, tiny_params, fixed, "vmap")
     chex.assert_trees_all_close(got, _round(algo, equal_fed, tiny_params, loop, "vmap"), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fola"])
+def test_unrolled_local_steps_give_the_scans_round(name, equal_fed, tiny_model, tiny_params):
+    """RoundConfig.unroll_local_steps (the fixed-step scan's unroll, 3 of the epoch's 3 steps and 2, which
+    leaves a remainder) trains the same clients: the same round as one step per iteration."""
+    algo = {"fedavg": lambda: bf.algorithms.fedavg(tiny_model, lr=0.1, batch_size=16, local_epochs=2),
+            "fola": lambda: bf.algorithms.fola(tiny_model, lr=0.1, lam=10.0, batch_size=16)}[name]()
+    one = bf.core.with_fixed_local_steps(RoundConfig(5, 3, clients_per_chunk=2, unroll_local_steps=1),
+                                         round_arrays(equal_fed))
+    expected = _round(algo, equal_fed, tiny_params, one, "vmap")
+    for unroll in (3, 2):
+        config = dataclasses.replace(one, unroll_local_steps=unroll)
+        got = _round(algo, equal_fed, tiny_params, config, "vmap")
+        chex.assert_trees_all_close(got, expected, rtol=1e-6, atol=1e-7)
+        traced = jax.make_jaxpr(make_round_step(algo, config))(init_state(algo, tiny_params, config),
+                                                                round_arrays(equal_fed), jax.random.PRNGKey(0),
+                                                                traced_hparams(algo, 1))
+        assert f"unroll={unroll}" in str(traced)  # the epoch's scan takes the configured unroll
+
+
+def test_unrolling_is_automatic_only_for_a_short_epoch_of_small_steps_on_an_accelerator():
+    auto = bf.core.layout.auto_unroll_local_steps
+    assert auto(platform="gpu", steps_per_epoch=10, step_operations=lambda: 185) == 10  # FedAvg, MLP
+    assert auto(platform="cpu", steps_per_epoch=10, step_operations=lambda: 185) == 1
+    assert auto(platform="gpu", steps_per_epoch=60, step_operations=lambda: 185) == 1  # a long epoch
+    assert auto(platform="gpu", steps_per_epoch=10, step_operations=lambda: 886) == 1  # BFL, MLP: compile time
+    with pytest.raises(ValueError, match="unroll_local_steps"):
+        RoundConfig(5, 5, unroll_local_steps=0)
+
+
+def test_an_accelerator_unrolls_a_small_models_epoch(equal_fed, tiny_model, tiny_params, monkeypatch):
+    """Traced as on a GPU, the fixed-step epoch of a small FedAvg client (3 steps) is one unrolled
+    iteration; a variational (BFL) client's step is too large and keeps one step per iteration."""
+    config = bf.core.with_fixed_local_steps(RoundConfig(5, 3, clients_per_chunk=2), round_arrays(equal_fed))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    for algo, unroll in ((bf.algorithms.fedavg(tiny_model, lr=0.1, batch_size=16), 3),
+                         (bf.algorithms.bfl(tiny_model, equal_fed.input_shape, lr=1e-2, batch_size=16), 1)):
+        params = algo.init_params(jax.random.PRNGKey(0), equal_fed.input_shape)
+        traced = str(jax.make_jaxpr(make_round_step(algo, config))(init_state(algo, params, config),
+                                                                   round_arrays(equal_fed), jax.random.PRNGKey(0),
+                                                                   traced_hparams(algo, 1)))
+        assert "length=3" in traced and f"unroll={unroll}" in traced
+        assert "unroll=3" not in traced or unroll == 3
 
 
 def test_fixed_local_steps_only_where_every_client_is_full(small_fed, equal_fed):

@@ -167,15 +167,32 @@ def test_fedreg_cnn_uses_pytorch_default_bounds():
             assert float(jnp.max(jnp.abs(leaf))) > 0.8 * bound  # uniform over the whole interval
 
 
+@pytest.fixture
+def kernel_grad_limit(monkeypatch):
+    """``set(limit)`` sets this platform's ``MATMUL_KERNEL_GRAD_MAX_BYTES`` for one test. JAX caches a traced
+    custom VJP by shape: the caches are cleared at every change and when the test ends."""
+    from bfedjax.models import conv as zoo_conv
+
+    def set_limit(limit):
+        jax.clear_caches()
+        monkeypatch.setitem(zoo_conv.MATMUL_KERNEL_GRAD_MAX_BYTES, jax.default_backend(), limit)
+    yield set_limit
+    jax.clear_caches()
+
+
 @pytest.mark.parametrize("size,kernel,stride,padding", [(12, 3, 1, "SAME"), (11, 3, 2, "SAME"), (28, 5, 1, "VALID"),
                                                         (9, 1, 2, "VALID"), (10, 3, 2, ((1, 1), (1, 1))),
                                                         (13, 5, 3, "VALID")])
-@pytest.mark.parametrize("implementation", ["matmul_conv", "matmul_trained_conv", "loop_friendly_conv"])
-def test_zoo_convolutions_match_lax(size, kernel, stride, padding, implementation):
-    """The zoo's convolutions (im2col matrix product, also only under grad; custom VJP) give lax's value and both
-    gradients (also when differentiated twice)."""
+@pytest.mark.parametrize("implementation", ["matmul_conv", "matmul_trained_conv", "loop_friendly_conv",
+                                            "loop_friendly_conv/matmul_kernel_grad"])
+def test_zoo_convolutions_match_lax(size, kernel, stride, padding, implementation, kernel_grad_limit):
+    """The zoo's convolutions (im2col matrix product, also only under grad; custom VJP, with the kernel gradient
+    as a convolution or as a matrix product) give lax's value and both gradients (also when differentiated twice)."""
     from jax import lax
     from bfedjax.models import conv as zoo_conv
+    implementation, _, kernel_grad = implementation.partition("/")
+    if kernel_grad:  # loop_friendly_conv's kernel gradient as patches^T dy (a GPU's default)
+        kernel_grad_limit(2**30)
     x = jax.random.normal(jax.random.PRNGKey(0), (3, size, size, 2))
     w = jax.random.normal(jax.random.PRNGKey(1), (kernel, kernel, 2, 4))
     dn = lax.conv_dimension_numbers(x.shape, w.shape, ("NHWC", "HWIO", "NHWC"))
@@ -209,6 +226,28 @@ def test_matmul_conv_under_a_client_vmap_is_a_batched_matrix_product():
     want = jnp.stack([lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
                       for x, w in zip(xs, ws)])
     np.testing.assert_allclose(per_client(xs, ws), want, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_gradient_under_a_client_vmap_is_a_batched_matrix_product(kernel_grad_limit):
+    """Within MATMUL_KERNEL_GRAD_MAX_BYTES, loop_friendly_conv's vmapped kernel gradient is a dot (on a GPU a
+    grouped convolution there runs client by client); the forward and the input gradient stay convolutions."""
+    from bfedjax.models import conv as zoo_conv
+    xs = jax.random.normal(jax.random.PRNGKey(0), (4, 2, 9, 9, 3))   # [clients, N, H, W, I]
+    ws = jax.random.normal(jax.random.PRNGKey(1), (4, 3, 3, 3, 5))   # [clients, kh, kw, I, O]
+    loss = lambda conv: lambda x, w: jnp.sum(jnp.sin(conv(x, w, (1, 1), ((1, 1), (1, 1)))))
+    grads = jax.vmap(jax.grad(loss(zoo_conv.loop_friendly_conv), argnums=(0, 1)))
+
+    def convolutions(limit):
+        kernel_grad_limit(limit)
+        names = [e.primitive.name for e in jax.make_jaxpr(grads)(xs, ws).jaxpr.eqns]
+        return names.count("conv_general_dilated"), names.count("dot_general"), grads(xs, ws)
+
+    (convs, dots, _), (convs_mm, dots_mm, got) = convolutions(-1), convolutions(2**30)
+    assert (convs, convs_mm) == (3, 2) and dots_mm > dots
+    lax_conv = lambda x, w, strides, pads: jax.lax.conv_general_dilated(x, w, strides, pads,
+                                                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    for g, want in zip(got, jax.vmap(jax.grad(loss(lax_conv), argnums=(0, 1)))(xs, ws)):
+        np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-5)
 
 
 def test_zoo_conv_takes_im2col_only_for_trained_patch_matrices_that_fit():

@@ -70,6 +70,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bfedjax.core import layout
 from bfedjax.core.attacks import Attack, attacked_messages
 from bfedjax.core.batching import batch_is_real, epoch_permutation, steps_per_epoch, take_batch
 from bfedjax.core.types import COHORT_WEIGHT, Algorithm, ClientContext, ClientData
@@ -153,6 +154,9 @@ class RoundConfig:
         steps under ``lax.scan`` instead of a ``lax.while_loop`` that tests every step (on a GPU a
         host round trip, and under ``vmap`` a select over the local state, per step). Empty
         padding slots still train nothing. ``with_fixed_local_steps`` sets it when the data allow.
+      unroll_local_steps: with ``fixed_local_steps``, the epoch scan's ``unroll`` (``lax.scan``): how many
+        local steps one loop iteration runs. ``None``: ``layout.auto_unroll_local_steps`` decides when the
+        round is traced (a whole short epoch of a small model on an accelerator, else 1).
     """
 
     num_clients: int
@@ -169,6 +173,7 @@ class RoundConfig:
     on_nonfinite: str = "drop"
     fixed_local_steps: bool = False
     client_devices: int = 1
+    unroll_local_steps: int | None = None
 
     def __post_init__(self):
         if not 1 <= self.clients_per_round <= self.num_clients:
@@ -201,6 +206,10 @@ class RoundConfig:
                 raise ValueError(f"round_fractions={self.round_fractions} must be fractions in (0, 1], "
                                  "e.g. (0.5, 0.6, 0.7, 0.8, 0.9)")
             object.__setattr__(self, "round_fractions", fractions)
+        if self.unroll_local_steps is not None and not (isinstance(self.unroll_local_steps, int)
+                                                         and self.unroll_local_steps >= 1):
+            raise ValueError(f"unroll_local_steps={self.unroll_local_steps!r}; fix: a number of steps >= 1, or None "
+                             "(automatic)")
         if self.fixed_local_steps and (self.straggler_fraction > 0 or self.round_fractions is not None):
             raise ValueError("fixed_local_steps trains every client on all its batches; fix: drop it with "
                              "straggler_fraction or round_fractions (with_fixed_local_steps decides)")
@@ -270,7 +279,7 @@ def init_state(algorithm: Algorithm, params, config: RoundConfig, key: jax.Array
 
 
 def local_training(algorithm: Algorithm, ctx: ClientContext, key: jax.Array, step_budget=NO_BUDGET,
-                   fixed_steps: bool = False):
+                   fixed_steps: bool = False, unroll: int | None = None):
     """Runs one client's local epochs; returns ``client_final``'s ``(message, persistent, metrics)``.
 
     Epochs run under ``lax.scan``; within an epoch a ``lax.while_loop`` takes
@@ -284,7 +293,8 @@ def local_training(algorithm: Algorithm, ctx: ClientContext, key: jax.Array, ste
     none, and ``step_budget`` never binds) takes all ``ceil(max_n / B)`` batch slots under a
     ``lax.scan`` instead, with no per-step test; an empty client (a padding slot) skips its
     epochs under a ``lax.cond`` and keeps its initial local state, as in the loop. Same steps,
-    same keys, same result.
+    same keys, same result. ``unroll`` is that scan's ``unroll`` (``RoundConfig.unroll_local_steps``;
+    ``None``: ``layout.auto_unroll_local_steps`` for this platform, epoch and model).
     """
     init_key, perm_key, step_key = jax.random.split(key, 3)  # same derivation in _looped_client
     local = algorithm.client_init(ctx, init_key)
@@ -301,8 +311,12 @@ def local_training(algorithm: Algorithm, ctx: ClientContext, key: jax.Array, ste
             return algorithm.client_step(local, batch, ctx, jax.random.fold_in(epoch_key, j))
 
         if fixed_steps:
-            local, _ = jax.lax.scan(lambda local, j: (step(j, local), None), local,
-                                    jnp.arange(steps_per_epoch(max_n, batch_size), dtype=jnp.int32))
+            steps = steps_per_epoch(max_n, batch_size)
+            per_iteration = unroll or layout.auto_unroll_local_steps(
+                platform=jax.default_backend(), steps_per_epoch=steps,
+                step_operations=lambda: layout.jaxpr_operations(jax.make_jaxpr(lambda l: step(jnp.int32(0), l))(local)))
+            local, _ = jax.lax.scan(lambda local, j: (step(j, local), None), local, jnp.arange(steps, dtype=jnp.int32),
+                                    unroll=per_iteration)
             return (taken, local), None
 
         def more(carry):
@@ -479,7 +493,7 @@ def _with_client_test_metrics(algorithm: Algorithm, arrays: RoundArrays, client_
 def _run_one_client(algorithm, config, state, arrays, hparams, client_id, key, budget, group):
     data, persistent = client_inputs(state, arrays, config, client_id, group)
     ctx = ClientContext(state.server, persistent, data, hparams, group, client_test_data(arrays, client_id))
-    outputs = local_training(algorithm, ctx, key, budget, config.fixed_local_steps)
+    outputs = local_training(algorithm, ctx, key, budget, config.fixed_local_steps, config.unroll_local_steps)
     return _with_client_test_metrics(algorithm, arrays, client_id, outputs, group)
 
 
@@ -897,7 +911,7 @@ def _vmapped_round(algorithm, config, state, arrays, key, hparams):
             # Full participation: vmap straight over the stored client axis (no gather copy).
             def train_in_place(data, persistent, cid, k, b):
                 ctx = ClientContext(state.server, persistent, data, hparams, 0, client_test_data(arrays, cid))
-                return _with_client_test_metrics(algorithm, arrays, cid, local_training(algorithm, ctx, k, b, config.fixed_local_steps), 0)
+                return _with_client_test_metrics(algorithm, arrays, cid, local_training(algorithm, ctx, k, b, config.fixed_local_steps, config.unroll_local_steps), 0)
             data = ClientData(arrays.x, arrays.y, arrays.counts)
             outputs = jax.vmap(train_in_place)(data, state.persistent[0], sub.ids, sub.keys, sub.budgets)
         elif chunk is None or chunk >= slots:
