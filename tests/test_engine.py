@@ -168,12 +168,14 @@ def test_unrolled_local_steps_give_the_scans_round(name, equal_fed, tiny_model, 
 
 def test_unrolling_is_automatic_only_for_a_short_epoch_of_small_steps_on_an_accelerator():
     auto = bf.core.layout.auto_unroll_local_steps
-    assert auto(platform="gpu", steps_per_epoch=10, step_operations=lambda: 185) == 10  # FedAvg, MLP
-    assert auto(platform="cpu", steps_per_epoch=10, step_operations=lambda: 185) == 1
-    assert auto(platform="gpu", steps_per_epoch=60, step_operations=lambda: 185) == 1  # a long epoch
-    assert auto(platform="gpu", steps_per_epoch=10, step_operations=lambda: 886) == 1  # BFL, MLP: compile time
-    with pytest.raises(ValueError, match="unroll_local_steps"):
-        RoundConfig(5, 5, unroll_local_steps=0)
+    assert auto(platform="gpu", steps_per_epoch=10, step_operations=lambda: 186) == 10  # FedAvg, MLP
+    assert auto(platform="cpu", steps_per_epoch=10, step_operations=lambda: 186) == 1
+    assert auto(platform="gpu", steps_per_epoch=60, step_operations=lambda: 186) == 1  # a long epoch
+    assert auto(platform="gpu", steps_per_epoch=10, step_operations=lambda: 887) == 1  # BFL, MLP: compile time
+    for wrong in (0, True, 2.0):
+        with pytest.raises(ValueError, match="unroll_local_steps"):
+            RoundConfig(5, 5, unroll_local_steps=wrong)
+    assert RoundConfig(5, 5, unroll_local_steps=np.int64(3)).unroll_local_steps == 3
 
 
 def test_an_accelerator_unrolls_a_small_models_epoch(equal_fed, tiny_model, tiny_params, monkeypatch):

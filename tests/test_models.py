@@ -169,15 +169,20 @@ def test_fedreg_cnn_uses_pytorch_default_bounds():
 
 @pytest.fixture
 def kernel_grad_limit(monkeypatch):
-    """``set(limit)`` sets this platform's ``MATMUL_KERNEL_GRAD_MAX_BYTES`` for one test. JAX caches a traced
-    custom VJP by shape: the caches are cleared at every change and when the test ends."""
+    """``set(limit)`` sets this platform's ``MATMUL_KERNEL_GRAD_MAX_BYTES`` for one test. The limit is read when a
+    function is traced, and JAX reuses a traced function for the same inputs: the caches are cleared at every
+    change and, after one, when the test ends."""
     from bfedjax.models import conv as zoo_conv
+
+    changed = []
 
     def set_limit(limit):
         jax.clear_caches()
         monkeypatch.setitem(zoo_conv.MATMUL_KERNEL_GRAD_MAX_BYTES, jax.default_backend(), limit)
+        changed.append(limit)
     yield set_limit
-    jax.clear_caches()
+    if changed:
+        jax.clear_caches()
 
 
 @pytest.mark.parametrize("size,kernel,stride,padding", [(12, 3, 1, "SAME"), (11, 3, 2, "SAME"), (28, 5, 1, "VALID"),
@@ -228,6 +233,16 @@ def test_matmul_conv_under_a_client_vmap_is_a_batched_matrix_product():
     np.testing.assert_allclose(per_client(xs, ws), want, rtol=1e-5, atol=1e-5)
 
 
+def primitive_names(jaxpr) -> list:
+    """The primitives of a jaxpr's equations, with those of the jaxprs nested in them."""
+    from jax.extend import core as jex_core
+    names = []
+    for eqn in jaxpr.eqns:
+        names.append(eqn.primitive.name)
+        names += [name for sub in jex_core.jaxprs_in_params(eqn.params) for name in primitive_names(sub)]
+    return names
+
+
 def test_kernel_gradient_under_a_client_vmap_is_a_batched_matrix_product(kernel_grad_limit):
     """Within MATMUL_KERNEL_GRAD_MAX_BYTES, loop_friendly_conv's vmapped kernel gradient is a dot (on a GPU a
     grouped convolution there runs client by client); the forward and the input gradient stay convolutions."""
@@ -239,7 +254,7 @@ def test_kernel_gradient_under_a_client_vmap_is_a_batched_matrix_product(kernel_
 
     def convolutions(limit):
         kernel_grad_limit(limit)
-        names = [e.primitive.name for e in jax.make_jaxpr(grads)(xs, ws).jaxpr.eqns]
+        names = primitive_names(jax.make_jaxpr(grads)(xs, ws).jaxpr)
         return names.count("conv_general_dilated"), names.count("dot_general"), grads(xs, ws)
 
     (convs, dots, _), (convs_mm, dots_mm, got) = convolutions(-1), convolutions(2**30)

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -206,8 +207,8 @@ class RoundConfig:
                 raise ValueError(f"round_fractions={self.round_fractions} must be fractions in (0, 1], "
                                  "e.g. (0.5, 0.6, 0.7, 0.8, 0.9)")
             object.__setattr__(self, "round_fractions", fractions)
-        if self.unroll_local_steps is not None and not (isinstance(self.unroll_local_steps, int)
-                                                         and self.unroll_local_steps >= 1):
+        if self.unroll_local_steps is not None and (isinstance(self.unroll_local_steps, bool) or not (
+                isinstance(self.unroll_local_steps, numbers.Integral) and self.unroll_local_steps >= 1)):
             raise ValueError(f"unroll_local_steps={self.unroll_local_steps!r}; fix: a number of steps >= 1, or None "
                              "(automatic)")
         if self.fixed_local_steps and (self.straggler_fraction > 0 or self.round_fractions is not None):
@@ -314,7 +315,7 @@ def local_training(algorithm: Algorithm, ctx: ClientContext, key: jax.Array, ste
             steps = steps_per_epoch(max_n, batch_size)
             per_iteration = unroll or layout.auto_unroll_local_steps(
                 platform=jax.default_backend(), steps_per_epoch=steps,
-                step_operations=lambda: layout.jaxpr_operations(jax.make_jaxpr(lambda l: step(jnp.int32(0), l))(local)))
+                step_operations=lambda: layout.jaxpr_operations(jax.make_jaxpr(step)(jnp.int32(0), local)))
             local, _ = jax.lax.scan(lambda local, j: (step(j, local), None), local, jnp.arange(steps, dtype=jnp.int32),
                                     unroll=per_iteration)
             return (taken, local), None

@@ -69,10 +69,11 @@ DEFAULT_CACHE_BYTES = 8 * 2**20
 # Accelerators: a fixed-step epoch of at most UNROLL_MAX_STEPS steps runs unrolled when one local step
 # traces to at most UNROLL_MAX_STEP_OPERATIONS jaxpr equations (``jaxpr_operations``), i.e. its steps
 # are a few launch-bound kernels and the unrolled epoch stays cheap to compile. On an H100, 10 steps
-# (results/bench/gpu_h100_targets/README.md; median of 20 rounds, K = 100, B = 10): FOLA MLP (273
-# operations) 6.18 -> 4.19 ms, FOLA CIFAR CNN (523) 40.9 -> 32.6 ms, FedAvg MLP (185) 3.49 -> 3.30 ms,
-# FedAvg FedReg CNN (523) 40.5 -> 41.0 ms; a BFL MLP (886, random draws) compiled in 62 s unrolled
-# against 7.5 s as a loop, for no faster round.
+# (results/bench/gpu_h100_targets/README.md; median of 20 rounds, K = 100, B = 10): FOLA MLP (274
+# operations) 6.18 -> 4.19 ms, FOLA CIFAR CNN (524) 40.9 -> 32.6 ms, FedAvg MLP (186) 3.49 -> 3.30 ms,
+# FedAvg FedReg CNN (479) 40.5 -> 41.0 ms; a BFL MLP (887, random draws) compiled in 62 s unrolled
+# against 7.5 s as a loop, for no faster round. Counts: a step traced for a GPU, jax 0.10.2 (a JAX
+# version moves them by a few); FedReg's MLP client (566) and FOLA on FedReg's CNN (623) keep the loop.
 UNROLL_MAX_STEPS = 16
 UNROLL_MAX_STEP_OPERATIONS = 550
 
@@ -123,14 +124,7 @@ def jaxpr_operations(jaxpr) -> int:
     (``jit``, ``custom_vjp``, ``cond`` and loop bodies) too."""
     from jax.extend import core as jex_core
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    total = 0
-    for eqn in jaxpr.eqns:
-        total += 1
-        for value in eqn.params.values():
-            for item in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(item, (jex_core.ClosedJaxpr, jex_core.Jaxpr)):
-                    total += jaxpr_operations(item)
-    return total
+    return sum(1 + sum(jaxpr_operations(sub) for sub in jex_core.jaxprs_in_params(eqn.params)) for eqn in jaxpr.eqns)
 
 
 def auto_client_devices(*, platform: str, local_devices: int, clients_per_chunk: int | None, cohort: int,
