@@ -157,7 +157,7 @@ class RoundConfig:
         padding slots still train nothing. ``with_fixed_local_steps`` sets it when the data allow.
       unroll_local_steps: with ``fixed_local_steps``, the epoch scan's ``unroll`` (``lax.scan``): how many
         local steps one loop iteration runs. ``None``: ``layout.auto_unroll_local_steps`` decides when the
-        round is traced (a whole short epoch of a small model on an accelerator, else 1).
+        round is traced (a whole short epoch of small steps on an accelerator, else 1).
     """
 
     num_clients: int
@@ -295,7 +295,7 @@ def local_training(algorithm: Algorithm, ctx: ClientContext, key: jax.Array, ste
     ``lax.scan`` instead, with no per-step test; an empty client (a padding slot) skips its
     epochs under a ``lax.cond`` and keeps its initial local state, as in the loop. Same steps,
     same keys, same result. ``unroll`` is that scan's ``unroll`` (``RoundConfig.unroll_local_steps``;
-    ``None``: ``layout.auto_unroll_local_steps`` for this platform, epoch and model).
+    ``None``: ``layout.auto_unroll_local_steps`` for this platform, epoch and step).
     """
     init_key, perm_key, step_key = jax.random.split(key, 3)  # same derivation in _looped_client
     local = algorithm.client_init(ctx, init_key)
