@@ -96,6 +96,10 @@ flags.DEFINE_float("matmul_kernel_grad_max_mib", None, "On this platform, the la
                    "(MiB) for which a convolution left to XLA takes its kernel gradient as a matrix product "
                    "(bfedjax.models.conv.MATMUL_KERNEL_GRAD_MAX_BYTES; 0: a convolution over the batch axis); "
                    "default: the library's. Give other values their own --output_dir.")
+flags.DEFINE_float("matmul_alone_conv_max_mib", None, "On this platform, the largest im2col patch matrix (MiB) whose "
+                   "trained convolution runs as a matrix product when no vmap batches it, a client trained alone "
+                   "(bfedjax.models.conv.ALONE_MATMUL_CONV_MAX_BYTES; 0: XLA's convolutions there); default: the "
+                   "library's. Give other values their own --output_dir.")
 flags.DEFINE_string("cpu_devices", "auto", "On a CPU, split it into this many JAX devices before anything runs "
                     "(bfedjax.core.layout.use_cpu_cores; 'auto': one per usable core; 1: one device): the library's "
                     "chunk variants and default layout then train on all of them.")
@@ -323,6 +327,9 @@ def main(argv):
     if FLAGS.matmul_kernel_grad_max_mib is not None:
         limits = bf.models.conv.MATMUL_KERNEL_GRAD_MAX_BYTES
         limits[jax.default_backend()] = int(FLAGS.matmul_kernel_grad_max_mib * 2**20)
+    if FLAGS.matmul_alone_conv_max_mib is not None:
+        limits = bf.models.conv.ALONE_MATMUL_CONV_MAX_BYTES
+        limits[jax.default_backend()] = int(FLAGS.matmul_alone_conv_max_mib * 2**20)
     rounds = FLAGS.rounds or 3
     rows, peak, bandwidth = (previous_rows(os.path.join(FLAGS.output_dir, "bench.json")) if FLAGS.resume
                              else ([], None, None))
@@ -476,7 +483,9 @@ def library_settings() -> dict:
     return {"compute_dtype": FLAGS.compute_dtype, "bfl_gradient_estimator": FLAGS.bfl_gradient_estimator,
             "fixed_local_steps": FLAGS.fixed_local_steps,
             "matmul_conv_max_mib": bf.models.conv.MATMUL_CONV_MAX_BYTES.get(platform, 0) / 2**20,
-            "matmul_kernel_grad_max_mib": bf.models.conv.MATMUL_KERNEL_GRAD_MAX_BYTES.get(platform, 0) / 2**20}
+            "matmul_kernel_grad_max_mib": bf.models.conv.MATMUL_KERNEL_GRAD_MAX_BYTES.get(platform, 0) / 2**20,
+            "matmul_alone_conv_max_mib": bf.models.conv.ALONE_MATMUL_CONV_MAX_BYTES.get(
+                platform, bf.models.conv.MATMUL_CONV_MAX_BYTES.get(platform, 0)) / 2**20}
 
 
 def _as_flag(name: str, value) -> str:

@@ -189,7 +189,7 @@ def kernel_grad_limit(monkeypatch):
                                                         (9, 1, 2, "VALID"), (10, 3, 2, ((1, 1), (1, 1))),
                                                         (13, 5, 3, "VALID")])
 @pytest.mark.parametrize("implementation", ["matmul_conv", "matmul_trained_conv", "loop_friendly_conv",
-                                            "loop_friendly_conv/matmul_kernel_grad"])
+                                            "loop_friendly_conv/matmul_kernel_grad", "per_client_conv"])
 def test_zoo_convolutions_match_lax(size, kernel, stride, padding, implementation, kernel_grad_limit):
     """The zoo's convolutions (im2col matrix product, also only under grad; custom VJP, with the kernel gradient
     as a convolution or as a matrix product) give lax's value and both gradients (also when differentiated twice)."""
@@ -233,6 +233,27 @@ def test_matmul_conv_under_a_client_vmap_is_a_batched_matrix_product():
     np.testing.assert_allclose(per_client(xs, ws), want, rtol=1e-5, atol=1e-5)
 
 
+def test_per_client_conv_is_a_convolution_alone_and_a_batched_product_under_a_client_vmap():
+    """per_client_conv's gradient: XLA's convolutions for one client, batched dots (no convolution) under a
+    vmap, values as lax's either way (also a second-order gradient under the vmap)."""
+    from jax import lax
+    from bfedjax.models.conv import per_client_conv
+    xs = jax.random.normal(jax.random.PRNGKey(0), (4, 2, 9, 9, 3))   # [clients, N, H, W, I]
+    ws = jax.random.normal(jax.random.PRNGKey(1), (4, 3, 3, 3, 5))   # [clients, kh, kw, I, O]
+    conv = lambda x, w: per_client_conv(x, w, (2, 2), ((1, 1), (1, 1)))
+    ref = lambda x, w: lax.conv_general_dilated(x, w, (2, 2), ((1, 1), (1, 1)), dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    grads = lambda c: jax.grad(lambda x, w: jnp.sum(jnp.sin(c(x, w))), argnums=(0, 1))
+    hlo = lambda fn, *args: jax.jit(fn).lower(*args).as_text()
+    alone, vmapped = hlo(grads(conv), xs[0], ws[0]), hlo(jax.vmap(grads(conv)), xs, ws)
+    assert alone.count("stablehlo.convolution") == 3 and "stablehlo.dot_general" not in alone
+    assert "stablehlo.convolution" not in vmapped and vmapped.count("stablehlo.dot_general") == 3
+    for got, want in zip(jax.vmap(grads(conv))(xs, ws), jax.vmap(grads(ref))(xs, ws)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    second = lambda c: jax.vmap(lambda x, w: jax.grad(lambda x: jnp.sum(grads(c)(x, w)[1] ** 2))(x))(xs, ws)
+    want = second(ref)
+    np.testing.assert_allclose(second(conv), want, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(want))))
+
+
 def primitive_names(jaxpr) -> list:
     """The primitives of a jaxpr's equations, with those of the jaxprs nested in them."""
     from jax.extend import core as jex_core
@@ -266,8 +287,9 @@ def test_kernel_gradient_under_a_client_vmap_is_a_batched_matrix_product(kernel_
 
 
 def test_zoo_conv_takes_im2col_only_for_trained_patch_matrices_that_fit():
-    """On a CPU a training batch's convolution is a matrix product under grad and lax's conv without one;
-    a large batch keeps lax's conv (loop_friendly_conv) either way."""
+    """On a CPU a training batch's convolution is a matrix product under grad and lax's conv without one: under a
+    client vmap up to MATMUL_CONV_MAX_BYTES, for a client alone up to ALONE_MATMUL_CONV_MAX_BYTES (larger: lax's
+    conv alone, per_client_conv); a large batch keeps lax's conv (loop_friendly_conv) either way."""
     from bfedjax.models import conv
     w = jnp.zeros((5, 5, 32, 32))
     small, large = jnp.zeros((10, 24, 24, 32)), jnp.zeros((1000, 24, 24, 32))
@@ -285,7 +307,14 @@ def test_zoo_conv_takes_im2col_only_for_trained_patch_matrices_that_fit():
         return found
 
     if jax.default_backend() == "cpu":
-        assert "dot_general" in names(trained, small) and "conv_general_dilated" not in names(trained, small)
+        tiny = jnp.zeros((1, 12, 12, 32))  # 8 x 8 x 800 patches: 200 KiB
+        assert conv.patch_bytes(tiny, w, (1, 1), ((0, 0), (0, 0))) <= conv.ALONE_MATMUL_CONV_MAX_BYTES["cpu"]
+        assert "dot_general" in names(trained, tiny) and "conv_general_dilated" not in names(trained, tiny)
+        assert "conv_general_dilated" in names(trained, small) and "dot_general" not in names(trained, small)
+        per_client = jax.vmap(trained)(jnp.zeros((2,) + w.shape), jnp.zeros((2,) + small.shape))
+        assert per_client.shape == (2,) + w.shape
+        lowered = jax.jit(jax.vmap(trained)).lower(jnp.zeros((2,) + w.shape), jnp.zeros((2,) + small.shape)).as_text()
+        assert "stablehlo.convolution" not in lowered and "stablehlo.dot_general" in lowered
         assert "conv_general_dilated" in names(lambda w, x: call(x, w), small)  # evaluation: no patches
     assert "dot_general" not in names(trained, large)  # loop_friendly_conv (a custom VJP around lax's conv)
 

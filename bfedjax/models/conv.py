@@ -30,6 +30,9 @@ dilation, one group; anything else goes to ``lax``). It picks by platform:
   with 0, 0.75, 2 and 16 MiB for FedReg's CNN, 0, 2.5 and 4 MiB for FOLA's): FedReg's CNN 74.8 ms with every convolution in cuDNN, 58.7 ms with the
   patches up to 2 MiB as matrix products, 79.7 ms with all of them; FOLA's CIFAR CNN 72.1 ms
   against 38.6 ms with both its convolutions (2.2 and 3.1 MiB patches) as matrix products.
+  A CPU keeps the product for a client trained alone (no vmap) only up to ``ALONE_MATMUL_CONV_MAX_BYTES``
+  (1 MiB); above it ``per_client_conv`` takes XLA's convolutions there and the product under a vmap
+  (FedReg's CNN, clients in turn: 0.118 against 0.097 s a round; ``python -m experiments.bench_conv_alone``).
 * elsewhere, and for larger patches: ``loop_friendly_conv``, ``lax``'s forward convolution with a
   custom VJP that writes both backward passes as ordinary NHWC/HWIO forward
   convolutions after explicit transposes, zero-dilation and padding. Within the platform's
@@ -62,6 +65,17 @@ MATMUL_CONV_MAX_BYTES = {"cpu": 32 * 2**20, "gpu": 4 * 2**20}
 # backward pass, but once per client of a vmapped chunk (FedReg's CNN, 100 clients: 1.6 GB compiled
 # against 0.7 GB); the automatic chunks (core.layout) do not count them.
 MATMUL_KERNEL_GRAD_MAX_BYTES = {"gpu": 16 * 2**20}
+# Per platform, the largest patch matrix (bytes) whose differentiated convolution takes the matrix product
+# when no vmap batches it (a client trained alone, clients_per_chunk=1); larger ones within
+# MATMUL_CONV_MAX_BYTES take per_client_conv, the product only under a vmap. Platforms not listed use
+# MATMUL_CONV_MAX_BYTES alone. CPU 1 MiB: a client trained alone keeps the product for small patch matrices
+# (few channels) and takes XLA's convolutions with loop_friendly_conv's backward for the rest. FedAvg rounds
+# of 10 clients x 20 images, B = 10, in turn on 2 CPU devices (``python -m experiments.bench_conv_alone``,
+# results/bench/conv_alone), 32 MiB (the product for every patch matrix) -> 1 MiB: FedReg's CNN 0.118 -> 0.097 s,
+# ResNet-20 0.76 -> 0.48 s, McMahan's CNN 0.54 -> 0.40 s, CNN2 0.030 -> 0.029 s, LeNet-5 0.017 s and CNN1
+# 0.017 -> 0.016 s, FOLA's CNN 0.082 -> 0.083 s; 0 MiB (XLA's convolutions for every size) gave LeNet-5 0.019 s,
+# CNN1 0.018 s and ResNet-20 0.54 s.
+ALONE_MATMUL_CONV_MAX_BYTES = {"cpu": 2**20}
 
 
 def _is_nhwc(dimension_numbers) -> bool:
@@ -91,9 +105,12 @@ def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, r
         padding = lax.padtype_to_pads(lhs.shape[1:3], rhs.shape[:2], window_strides, padding)
     pads = tuple((int(lo), int(hi)) for lo, hi in padding)
     strides = tuple(int(s) for s in window_strides)
-    if patch_bytes(lhs, rhs, strides, pads) <= MATMUL_CONV_MAX_BYTES.get(jax.default_backend(), -1):
-        return matmul_trained_conv(lhs, rhs, strides, pads, precision)
-    return loop_friendly_conv(lhs, rhs, strides, pads, precision)
+    backend, size = jax.default_backend(), patch_bytes(lhs, rhs, strides, pads)
+    if size > MATMUL_CONV_MAX_BYTES.get(backend, -1):
+        return loop_friendly_conv(lhs, rhs, strides, pads, precision)
+    if size > ALONE_MATMUL_CONV_MAX_BYTES.get(backend, size):
+        return per_client_conv(lhs, rhs, strides, pads, precision)
+    return matmul_trained_conv(lhs, rhs, strides, pads, precision)
 
 
 def patch_bytes(x, w, strides: tuple[int, int], pads) -> int:
@@ -200,3 +217,56 @@ def _conv_bwd(strides, pads, precision, residuals, dy):
 
 
 loop_friendly_conv.defvjp(_conv_fwd, _conv_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def per_client_conv(x, w, strides: tuple[int, int], pads, precision=None):
+    """``x [N, H, W, I]``, ``w [kh, kw, I, O]`` -> ``[N, OH, OW, O]``: ``matmul_trained_conv`` where a vmap
+    batches the differentiated convolution (a client vmap: batched matrix products, never grouped
+    convolutions), ``loop_friendly_conv`` where none does (a client trained alone: XLA's convolutions,
+    faster on a CPU core than the im2col copy and product; ``ALONE_MATMUL_CONV_MAX_BYTES``).
+
+    Undifferentiated, it is ``lax``'s forward convolution either way. The choice is made per pass by
+    ``jax.custom_batching.custom_vmap``; under a vmap the backward rebuilds the patches from ``x``
+    rather than keeping them from the forward. Forward-mode autodiff is not defined.
+    """
+    return _forward(x, w, strides, pads, precision)
+
+
+def _alone_or_batched(alone, batched):
+    """``alone(*args)`` where no vmap batches the arguments, ``jax.vmap(batched)(*args)`` where one does
+    (unbatched arguments broadcast); outputs batched whenever one argument is. Derivatives (a second-order
+    gradient through ``per_client_conv``) are ``alone``'s, batched or not: ``custom_vmap`` has no reverse mode."""
+    fn = jax.custom_batching.custom_vmap(alone)
+
+    @fn.def_vmap
+    def rule(axis_size, in_batched, *args):
+        axes = tuple(0 if b else None for b in in_batched)
+        out = jax.vmap(batched, in_axes=axes, axis_size=axis_size)(*args)
+        return out, jax.tree.map(lambda _: True, out)
+
+    differentiable = jax.custom_jvp(fn)
+    differentiable.defjvp(lambda primals, tangents: (fn(*primals), jax.jvp(alone, primals, tangents)[1]))
+    return differentiable
+
+
+def _per_client_fwd(x, w, strides, pads, precision):
+    y = _alone_or_batched(lambda x, w: _forward(x, w, strides, pads, precision),
+                          lambda x, w: matmul_conv(x, w, strides, pads, precision))(x, w)
+    return y, (x, w)
+
+
+def _matmul_conv_grads(x, w, dy, strides, pads, precision):
+    """``(dx, dw)`` of ``matmul_conv`` for the cotangent ``dy``, each the transpose of a linear map."""
+    dx = jax.linear_transpose(lambda x: matmul_conv(x, w, strides, pads, precision), x)(dy)[0]
+    dw = jax.linear_transpose(lambda w: matmul_conv(x, w, strides, pads, precision), w)(dy)[0]
+    return dx, dw
+
+
+def _per_client_bwd(strides, pads, precision, residuals, dy):
+    x, w = residuals
+    return _alone_or_batched(lambda x, w, dy: _conv_bwd(strides, pads, precision, (x, w), dy),
+                             lambda x, w, dy: _matmul_conv_grads(x, w, dy, strides, pads, precision))(x, w, dy)
+
+
+per_client_conv.defvjp(_per_client_fwd, _per_client_bwd)
