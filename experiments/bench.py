@@ -100,6 +100,9 @@ flags.DEFINE_float("matmul_alone_conv_max_mib", None, "On this platform, the lar
                    "trained convolution runs as a matrix product when no vmap batches it, a client trained alone "
                    "(bfedjax.models.conv.ALONE_MATMUL_CONV_MAX_BYTES; 0: XLA's convolutions there); default: the "
                    "library's. Give other values their own --output_dir.")
+flags.DEFINE_bool("winograd", True, "Let a client trained alone take Winograd convolutions where the platform lists "
+                  "them (bfedjax.models.conv.WINOGRAD_TILES; --nowinograd: XLA's convolutions there). Give "
+                  "--nowinograd runs their own --output_dir.")
 flags.DEFINE_string("cpu_devices", "auto", "On a CPU, split it into this many JAX devices before anything runs "
                     "(bfedjax.core.layout.use_cpu_cores; 'auto': one per usable core; 1: one device): the library's "
                     "chunk variants and default layout then train on all of them.")
@@ -330,6 +333,8 @@ def main(argv):
     if FLAGS.matmul_alone_conv_max_mib is not None:
         limits = bf.models.conv.ALONE_MATMUL_CONV_MAX_BYTES
         limits[jax.default_backend()] = int(FLAGS.matmul_alone_conv_max_mib * 2**20)
+    if not FLAGS.winograd:
+        bf.models.conv.WINOGRAD_TILES.pop(jax.default_backend(), None)
     rounds = FLAGS.rounds or 3
     rows, peak, bandwidth = (previous_rows(os.path.join(FLAGS.output_dir, "bench.json")) if FLAGS.resume
                              else ([], None, None))
@@ -485,10 +490,13 @@ def library_settings() -> dict:
             "matmul_conv_max_mib": bf.models.conv.MATMUL_CONV_MAX_BYTES.get(platform, 0) / 2**20,
             "matmul_kernel_grad_max_mib": bf.models.conv.MATMUL_KERNEL_GRAD_MAX_BYTES.get(platform, 0) / 2**20,
             "matmul_alone_conv_max_mib": bf.models.conv.ALONE_MATMUL_CONV_MAX_BYTES.get(
-                platform, bf.models.conv.MATMUL_CONV_MAX_BYTES.get(platform, 0)) / 2**20}
+                platform, bf.models.conv.MATMUL_CONV_MAX_BYTES.get(platform, 0)) / 2**20,
+            "winograd_tiles": {str(r): m for r, m in bf.models.conv.WINOGRAD_TILES.get(platform, {}).items()}}
 
 
 def _as_flag(name: str, value) -> str:
+    if name == "winograd_tiles":  # recorded as the table, set by --winograd
+        return "--winograd" if value else "--nowinograd"
     if isinstance(value, bool):
         return f"--{name}" if value else f"--no{name}"
     return f"--{name}={value:g}" if isinstance(value, float) else f"--{name}={value}"

@@ -32,7 +32,9 @@ dilation, one group; anything else goes to ``lax``). It picks by platform:
   against 38.6 ms with both its convolutions (2.2 and 3.1 MiB patches) as matrix products.
   A CPU keeps the product for a client trained alone (no vmap) only up to ``ALONE_MATMUL_CONV_MAX_BYTES``
   (1 MiB); above it ``per_client_conv`` takes XLA's convolutions there and the product under a vmap
-  (FedReg's CNN, clients in turn: 0.118 against 0.097 s a round; ``python -m experiments.bench_conv_alone``).
+  (FedReg's CNN, clients in turn: 0.118 against 0.097 s a round; ``python -m experiments.bench_conv_alone``),
+  or, for the stride-1 kernels ``WINOGRAD_TILES`` lists (CPU: 5x5), the Winograd convolution
+  F(4x4, 5x5) (``models.winograd``, a sixth of the multiplications, as ``n * n`` matrix products).
 * elsewhere, and for larger patches: ``loop_friendly_conv``, ``lax``'s forward convolution with a
   custom VJP that writes both backward passes as ordinary NHWC/HWIO forward
   convolutions after explicit transposes, zero-dilation and padding. Within the platform's
@@ -50,6 +52,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from bfedjax.models.winograd import winograd_conv_grads, winograd_forward
 
 _NHWC = ("NHWC", "HWIO", "NHWC")
 # Per platform, the largest patch matrix (bytes; per client under a vmap) whose differentiated
@@ -76,6 +80,16 @@ MATMUL_KERNEL_GRAD_MAX_BYTES = {"gpu": 16 * 2**20}
 # 0.017 -> 0.016 s, FOLA's CNN 0.082 -> 0.083 s; 0 MiB (XLA's convolutions for every size) gave LeNet-5 0.019 s,
 # CNN1 0.018 s and ResNet-20 0.54 s.
 ALONE_MATMUL_CONV_MAX_BYTES = {"cpu": 2**20}
+# Per platform, {kernel size r: Winograd output tile m} for the stride-1 r x r convolutions that a client trained
+# alone (no vmap) takes as Winograd F(m x m, r x r) (``models.winograd``) where it would otherwise take XLA's
+# convolution (per_client_conv: patch matrices over ALONE_MATMUL_CONV_MAX_BYTES) and has at least
+# WINOGRAD_MIN_CHANNELS input channels (fewer make degenerate products). Platforms and sizes not listed keep
+# XLA's convolutions. CPU, 5x5: F(3x3, 5x5) takes 81 products per 9 outputs where the convolution takes 225.
+# A FedReg-CNN conv2 step (10 images of 24x24x32 to 20x20x32, forward and both gradients, in a scan, one
+# core; scratch measurements): XLA's convolution with loop_friendly_conv's backward 8.2-8.8 ms, im2col 12.6 ms,
+# F(2x2) 5.5-6.2 ms, F(3x3) 3.8-4.5 ms, F(4x4) 6.3-6.8 ms.
+WINOGRAD_TILES = {"cpu": {5: 4}}
+WINOGRAD_MIN_CHANNELS = 8
 
 
 def _is_nhwc(dimension_numbers) -> bool:
@@ -109,8 +123,18 @@ def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, r
     if size > MATMUL_CONV_MAX_BYTES.get(backend, -1):
         return loop_friendly_conv(lhs, rhs, strides, pads, precision)
     if size > ALONE_MATMUL_CONV_MAX_BYTES.get(backend, size):
-        return per_client_conv(lhs, rhs, strides, pads, precision)
+        return per_client_conv(lhs, rhs, strides, pads, precision, winograd_tile(rhs, strides, backend))
     return matmul_trained_conv(lhs, rhs, strides, pads, precision)
+
+
+def winograd_tile(w, strides: tuple[int, int], backend: str) -> int | None:
+    """The Winograd output tile ``m`` for ``w [r, r, I, O]`` at ``strides`` on ``backend`` (``WINOGRAD_TILES``), or
+    ``None`` (XLA's convolution). float32 only: the transforms' entries (up to ``2^(r-1)``) would spend a
+    bfloat16 mantissa (FedReg's CNN in bfloat16: 6% logit error through F(4x4, 5x5), against under 5% by XLA)."""
+    kh, kw, channels, _ = w.shape
+    if kh != kw or tuple(strides) != (1, 1) or channels < WINOGRAD_MIN_CHANNELS or w.dtype != jnp.float32:
+        return None
+    return WINOGRAD_TILES.get(backend, {}).get(int(kh))
 
 
 def patch_bytes(x, w, strides: tuple[int, int], pads) -> int:
@@ -219,12 +243,14 @@ def _conv_bwd(strides, pads, precision, residuals, dy):
 loop_friendly_conv.defvjp(_conv_fwd, _conv_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def per_client_conv(x, w, strides: tuple[int, int], pads, precision=None):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def per_client_conv(x, w, strides: tuple[int, int], pads, precision=None, winograd: int | None = None):
     """``x [N, H, W, I]``, ``w [kh, kw, I, O]`` -> ``[N, OH, OW, O]``: ``matmul_trained_conv`` where a vmap
     batches the differentiated convolution (a client vmap: batched matrix products, never grouped
     convolutions), ``loop_friendly_conv`` where none does (a client trained alone: XLA's convolutions,
-    faster on a CPU core than the im2col copy and product; ``ALONE_MATMUL_CONV_MAX_BYTES``).
+    faster on a CPU core than the im2col copy and product; ``ALONE_MATMUL_CONV_MAX_BYTES``), or with
+    ``winograd = m`` (stride 1, a square kernel; ``winograd_tile``) the Winograd convolution F(m x m) alone
+    (``models.winograd``: forward and both gradients; ``precision`` is not passed to its products).
 
     Undifferentiated, it is ``lax``'s forward convolution either way. The choice is made per pass by
     ``jax.custom_batching.custom_vmap``; under a vmap the backward rebuilds the patches from ``x``
@@ -250,10 +276,21 @@ def _alone_or_batched(alone, batched):
     return differentiable
 
 
-def _per_client_fwd(x, w, strides, pads, precision):
-    y = _alone_or_batched(lambda x, w: _forward(x, w, strides, pads, precision),
-                          lambda x, w: matmul_conv(x, w, strides, pads, precision))(x, w)
+def _per_client_fwd(x, w, strides, pads, precision, winograd):
+    alone = ((lambda x, w: winograd_forward(_padded(x, pads), w, winograd)) if winograd
+             else (lambda x, w: _forward(x, w, strides, pads, precision)))
+    y = _alone_or_batched(alone, lambda x, w: matmul_conv(x, w, strides, pads, precision))(x, w)
     return y, (x, w)
+
+
+def _padded(x, pads):
+    return jnp.pad(x, ((0, 0), pads[0], pads[1], (0, 0)))
+
+
+def _winograd_grads(x, w, dy, pads, m):
+    """``(dx, dw)`` of the padded stride-1 convolution by Winograd F(m x m) (``winograd_conv_grads``)."""
+    dx, dw = winograd_conv_grads(_padded(x, pads), w, dy, m)
+    return dx[:, pads[0][0]:pads[0][0] + x.shape[1], pads[1][0]:pads[1][0] + x.shape[2]], dw
 
 
 def _matmul_conv_grads(x, w, dy, strides, pads, precision):
@@ -263,10 +300,11 @@ def _matmul_conv_grads(x, w, dy, strides, pads, precision):
     return dx, dw
 
 
-def _per_client_bwd(strides, pads, precision, residuals, dy):
+def _per_client_bwd(strides, pads, precision, winograd, residuals, dy):
     x, w = residuals
-    return _alone_or_batched(lambda x, w, dy: _conv_bwd(strides, pads, precision, (x, w), dy),
-                             lambda x, w, dy: _matmul_conv_grads(x, w, dy, strides, pads, precision))(x, w, dy)
+    alone = ((lambda x, w, dy: _winograd_grads(x, w, dy, pads, winograd)) if winograd
+             else (lambda x, w, dy: _conv_bwd(strides, pads, precision, (x, w), dy)))
+    return _alone_or_batched(alone, lambda x, w, dy: _matmul_conv_grads(x, w, dy, strides, pads, precision))(x, w, dy)
 
 
 per_client_conv.defvjp(_per_client_fwd, _per_client_bwd)
