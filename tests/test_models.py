@@ -219,7 +219,7 @@ def test_zoo_convolutions_match_lax(size, kernel, stride, padding, implementatio
                          jax.grad(loss(lax.conv_general_dilated), argnums=(0, 1))(x, w)):
         # float32 rounding scales with the gradient (up to about 30 here): both sides differ from a float64
         # reference by up to 3e-5 on some CPUs, a wrong gradient by O(1); Winograd F(4x4, 5x5)'s transforms
-        # (entries up to 4^3 = 64) round about 5x more
+        # (entries up to 16) round about 5x more
         scale = (5e-5 if kernel_grad == "winograd" else 1e-5) * float(jnp.max(jnp.abs(want)))
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=scale)
     second = lambda conv: jax.grad(lambda x: jnp.sum(jax.grad(loss(conv), argnums=1)(x, w) ** 2))(x)

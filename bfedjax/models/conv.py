@@ -80,14 +80,15 @@ MATMUL_KERNEL_GRAD_MAX_BYTES = {"gpu": 16 * 2**20}
 # 0.017 -> 0.016 s, FOLA's CNN 0.082 -> 0.083 s; 0 MiB (XLA's convolutions for every size) gave LeNet-5 0.019 s,
 # CNN1 0.018 s and ResNet-20 0.54 s.
 ALONE_MATMUL_CONV_MAX_BYTES = {"cpu": 2**20}
-# Per platform, {kernel size r: Winograd output tile m} for the stride-1 r x r convolutions that a client trained
-# alone (no vmap) takes as Winograd F(m x m, r x r) (``models.winograd``) where it would otherwise take XLA's
-# convolution (per_client_conv: patch matrices over ALONE_MATMUL_CONV_MAX_BYTES) and has at least
+# Per platform, {kernel size r: Winograd output tile m} for the stride-1 r x r float32 convolutions that a client
+# trained alone (no vmap) takes as Winograd F(m x m, r x r) (``models.winograd``) where it would otherwise take
+# XLA's convolution (per_client_conv: patch matrices over ALONE_MATMUL_CONV_MAX_BYTES) and has at least
 # WINOGRAD_MIN_CHANNELS input channels (fewer make degenerate products). Platforms and sizes not listed keep
-# XLA's convolutions. CPU, 5x5: F(3x3, 5x5) takes 81 products per 9 outputs where the convolution takes 225.
-# A FedReg-CNN conv2 step (10 images of 24x24x32 to 20x20x32, forward and both gradients, in a scan, one
-# core; scratch measurements): XLA's convolution with loop_friendly_conv's backward 8.2-8.8 ms, im2col 12.6 ms,
-# F(2x2) 5.5-6.2 ms, F(3x3) 3.8-4.5 ms, F(4x4) 6.3-6.8 ms.
+# XLA's convolutions. CPU, 5x5: F(4x4, 5x5) takes 64 products per 16 outputs where the convolution takes 400.
+# A FedReg-CNN conv2 step (10 images of 24x24x32 to 20x20x32, forward and both gradients, 20 steps in a scan,
+# one core; scratch measurements, two runs): XLA's convolution with loop_friendly_conv's backward 8.8 / 11.4 ms,
+# im2col 14.6 ms, F(3x3, 5x5) 4.1 / 3.3 ms, F(4x4, 5x5) 3.0 / 2.7 ms; rounds: results/bench/conv_alone/winograd.md.
+# 3x3 (F(4x4, 3x3)) is left out: ResNet-20's round 0.523 -> 0.452 s for a first round of 14.2 s against 7.0 s.
 WINOGRAD_TILES = {"cpu": {5: 4}}
 WINOGRAD_MIN_CHANNELS = 8
 
@@ -129,7 +130,7 @@ def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, r
 
 def winograd_tile(w, strides: tuple[int, int], backend: str) -> int | None:
     """The Winograd output tile ``m`` for ``w [r, r, I, O]`` at ``strides`` on ``backend`` (``WINOGRAD_TILES``), or
-    ``None`` (XLA's convolution). float32 only: the transforms' entries (up to ``2^(r-1)``) would spend a
+    ``None`` (XLA's convolution). float32 only: the transforms' entries (up to 16 for F(4x4, 5x5)) would spend a
     bfloat16 mantissa (FedReg's CNN in bfloat16: 6% logit error through F(4x4, 5x5), against under 5% by XLA)."""
     kh, kw, channels, _ = w.shape
     if kh != kw or tuple(strides) != (1, 1) or channels < WINOGRAD_MIN_CHANNELS or w.dtype != jnp.float32:
@@ -277,6 +278,9 @@ def _alone_or_batched(alone, batched):
 
 
 def _per_client_fwd(x, w, strides, pads, precision, winograd):
+    if winograd and (tuple(strides) != (1, 1) or w.shape[0] != w.shape[1]):
+        raise ValueError(f"per_client_conv(winograd={winograd}) needs stride 1 and a square kernel, got strides "
+                         f"{strides} and a {w.shape[0]}x{w.shape[1]} kernel; fix: winograd=None")
     alone = ((lambda x, w: winograd_forward(_padded(x, pads), w, winograd)) if winograd
              else (lambda x, w: _forward(x, w, strides, pads, precision)))
     y = _alone_or_batched(alone, lambda x, w: matmul_conv(x, w, strides, pads, precision))(x, w)

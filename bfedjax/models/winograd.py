@@ -10,13 +10,14 @@ independent matrix products ``[tiles, C] x [C, O]``. F(4x4, 5x5) takes 64 produc
 where the direct convolution takes 400, so a 5x5 convolution costs about a sixth of the
 multiplications, plus the (cheap, elementwise) tile transforms. The matrices come from
 Toom-Cook interpolation at the points ``0, 1, -1, 1/2, -1/2, 2, -2, ...`` and infinity
-(``winograd_matrices``); float32 values and gradients stay within about 1e-5 of ``lax``'s
+(``winograd_matrices``); float32 values and gradients stay within 3e-5 and 5e-5 of ``lax``'s
 (relative to the largest entry; tested).
 
 ``winograd_conv`` differentiates by an explicit VJP, never by autodiff of the transforms (whose
 strided-slice transposes XLA:CPU runs slowly):
 
-* kernel gradient: the transformed input tiles ``V`` (kept from the forward pass) against the
+* kernel gradient: the transformed input tiles ``V`` (kept from ``winograd_conv``'s forward pass;
+  ``models.conv.per_client_conv`` recomputes them) against the
   output gradient taken into the transformed domain (``A``'s transpose, on non-overlapping tiles),
   ``n * n`` products ``[C, tiles] x [tiles, O]``, then ``G^T (.) G``;
 * input gradient: the full correlation of the padded output gradient with the flipped,
@@ -67,8 +68,8 @@ def winograd_matrices(m: int, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarra
     residual = np.abs(np.array(equations) @ solution - np.array(targets)).max()
     if residual > 1e-9:
         raise ArithmeticError(f"Winograd F({m}, {r}): no input transform for these points (residual {residual:.1e})")
-    b_t = solution.reshape(n, n)
-    b_t[np.abs(b_t) < 1e-12] = 0.0
+    b_t = np.round(solution.reshape(n, n), 12)  # exact rationals, less the solver's rounding (and its -0.0s)
+    b_t[b_t == 0.0] = 0.0
     return a_t, g, b_t
 
 
@@ -78,7 +79,7 @@ def _combine(coefficients, terms):
     for c, term in zip(np.asarray(coefficients, np.float64), terms):
         if c == 0.0:
             continue
-        value = term if c == 1.0 else term * np.float32(c).astype(term.dtype)
+        value = term if c == 1.0 else term * np.asarray(c, term.dtype)
         total = value if total is None else total + value
     return total if total is not None else jnp.zeros_like(terms[0])
 
