@@ -294,6 +294,56 @@ def test_kernel_gradient_under_a_client_vmap_is_a_batched_matrix_product(kernel_
         np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-5)
 
 
+def test_per_client_conv_alone_takes_winograd_with_asymmetric_padding():
+    """``per_client_conv(..., winograd=4)`` alone: under grad its value and both gradients are lax's for an
+    asymmetrically padded, non-square input (the crop of the padded input gradient), and no convolution runs."""
+    from jax import lax
+    from bfedjax.models.conv import per_client_conv
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 11, 9, 8))
+    w = jax.random.normal(jax.random.PRNGKey(1), (5, 5, 8, 3)) * 0.2
+    pads = ((0, 2), (1, 0))
+    loss = lambda conv: lambda x, w: jnp.sum(jnp.sin(conv(x, w)))
+    fast = loss(lambda x, w: per_client_conv(x, w, (1, 1), pads, None, 4))
+    ref = loss(lambda x, w: lax.conv_general_dilated(x, w, (1, 1), pads, dimension_numbers=("NHWC", "HWIO", "NHWC")))
+    (value, grads), (want_value, want_grads) = (jax.value_and_grad(f, (0, 1))(x, w) for f in (fast, ref))
+    np.testing.assert_allclose(value, want_value, atol=1e-4)  # the forward under grad: Winograd's (a sum of 270 sines)
+    for got, want in zip(grads, want_grads):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, atol=5e-5 * float(jnp.max(jnp.abs(want))))
+    assert "conv_general_dilated" not in primitive_names(jax.make_jaxpr(jax.grad(fast, (0, 1)))(x, w).jaxpr)
+    with pytest.raises(ValueError, match="stride 1 and a square kernel"):
+        jax.grad(loss(lambda x, w: per_client_conv(x, w, (2, 2), pads, None, 4)))(x, w)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="WINOGRAD_TILES lists the CPU only")
+def test_fedreg_cnn_gradient_with_winograd_matches_xla_convolutions(monkeypatch):
+    """The model a CPU trains alone with Winograd conv2/conv3 (5x5, 32 channels; no convolution left in its
+    gradient) has the gradient it has with XLA's convolutions."""
+    from bfedjax.models import apply_fn_of, conv, zoo
+    model = get_model("fedreg_cnn", 10)
+    params = zoo.init_params(model, (28, 28, 1), jax.random.PRNGKey(0))
+    x = jax.random.normal(jax.random.PRNGKey(1), (10, 28, 28, 1))
+    y = jnp.arange(10) % 10
+
+    def loss(params):
+        logits = apply_fn_of(model)(params, x)
+        return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(10), y])
+
+    def gradient(tiles):
+        monkeypatch.setitem(conv.WINOGRAD_TILES, "cpu", tiles)
+        jax.clear_caches()  # the table is read when the model is traced
+        return jax.grad(loss)(params), set(primitive_names(jax.make_jaxpr(jax.grad(loss))(params).jaxpr))
+
+    try:
+        (with_winograd, winograd_ops), (without, xla_ops) = gradient({5: 4}), gradient({})
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    assert "conv_general_dilated" not in winograd_ops and "conv_general_dilated" in xla_ops
+    for got, want in zip(jax.tree.leaves(with_winograd), jax.tree.leaves(without)):
+        np.testing.assert_allclose(got, want, atol=1e-4 * float(jnp.max(jnp.abs(want))) + 1e-7)
+
+
 def test_zoo_conv_takes_im2col_only_for_trained_patch_matrices_that_fit():
     """On a CPU a training batch's convolution is a matrix product under grad and lax's conv without one: under a
     client vmap up to MATMUL_CONV_MAX_BYTES, for a client alone up to ALONE_MATMUL_CONV_MAX_BYTES (larger: lax's
@@ -324,8 +374,7 @@ def test_zoo_conv_takes_im2col_only_for_trained_patch_matrices_that_fit():
         w3 = jnp.zeros((3, 3, 32, 32))
         assert conv.winograd_tile(w3, (1, 1), "cpu") is None and conv.winograd_tile(w, (2, 2), "cpu") is None
         assert conv.winograd_tile(w.astype(jnp.bfloat16), (1, 1), "cpu") is None  # float32 only
-        trained3 = jax.grad(lambda w, x: jnp.sum(call(x, w)))
-        found3 = names(lambda w, x: trained3(w3, x), jnp.zeros((10, 26, 26, 32)))
+        found3 = names(lambda w, x: trained(w3, x), jnp.zeros((10, 26, 26, 32)))
         assert "conv_general_dilated" in found3 and "dot_general" not in found3
         per_client = jax.vmap(trained)(jnp.zeros((2,) + w.shape), jnp.zeros((2,) + small.shape))
         assert per_client.shape == (2,) + w.shape

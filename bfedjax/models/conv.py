@@ -138,6 +138,11 @@ def winograd_tile(w, strides: tuple[int, int], backend: str) -> int | None:
     return WINOGRAD_TILES.get(backend, {}).get(int(kh))
 
 
+def _padded(x, pads):
+    """``x [N, H, W, C]`` zero-padded by ``pads = ((top, bottom), (left, right))``."""
+    return jnp.pad(x, ((0, 0), pads[0], pads[1], (0, 0)))
+
+
 def patch_bytes(x, w, strides: tuple[int, int], pads) -> int:
     """Bytes of ``matmul_conv``'s patch matrix ``[N, OH, OW, kh * kw * I]`` for ``x [N, H, W, I]``, ``w [kh, kw, I, O]``."""
     kh, kw, channels, _ = w.shape
@@ -156,7 +161,7 @@ def matmul_conv(x, w, strides: tuple[int, int], pads, precision=None):
     vmap the products become batched matrix products, never grouped convolutions.
     """
     kh, kw, _, out = w.shape
-    x = jnp.pad(x, ((0, 0), pads[0], pads[1], (0, 0)))
+    x = _padded(x, pads)
     oh, ow = (x.shape[1] - kh) // strides[0] + 1, (x.shape[2] - kw) // strides[1] + 1
     views = [x[:, a:a + (oh - 1) * strides[0] + 1:strides[0], b:b + (ow - 1) * strides[1] + 1:strides[1], :]
              for a in range(kh) for b in range(kw)]
@@ -219,7 +224,7 @@ def _dilate(dy, strides):
 def _conv_bwd(strides, pads, precision, residuals, dy):
     x, w = residuals
     kh, kw = w.shape[:2]
-    x_pad = jnp.pad(x, ((0, 0), pads[0], pads[1], (0, 0)))
+    x_pad = _padded(x, pads)
     ph, pw = x_pad.shape[1:3]
     dy_dil = _dilate(dy, strides)
     dh, dw_ = dy_dil.shape[1:3]
@@ -285,10 +290,6 @@ def _per_client_fwd(x, w, strides, pads, precision, winograd):
              else (lambda x, w: _forward(x, w, strides, pads, precision)))
     y = _alone_or_batched(alone, lambda x, w: matmul_conv(x, w, strides, pads, precision))(x, w)
     return y, (x, w)
-
-
-def _padded(x, pads):
-    return jnp.pad(x, ((0, 0), pads[0], pads[1], (0, 0)))
 
 
 def _winograd_grads(x, w, dy, pads, m):

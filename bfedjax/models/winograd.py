@@ -87,10 +87,7 @@ def _combine(coefficients, terms):
 def _barrier(x):
     """Materialises a transform's first (separable) half: fused with its second, XLA would recompute it for every
     output position (and take seconds to compile the expression)."""
-    return jax.lax.optimization_barrier(x) if BARRIERS else x
-
-
-BARRIERS = True
+    return jax.lax.optimization_barrier(x)
 
 
 def _tiles(size: int, r: int, m: int) -> int:
@@ -100,7 +97,7 @@ def _tiles(size: int, r: int, m: int) -> int:
 def input_transform(x: jax.Array, m: int, r: int) -> jax.Array:
     """``x [N, H, W, C]`` -> ``V [n, n, N, TH, TW, C]``: ``B^T d B`` of every ``n x n`` input tile (stride ``m``),
     ``TH = ceil((H - r + 1) / m)`` (the input zero-padded at the end to whole tiles)."""
-    _, b_t = winograd_matrices(m, r)[::2]
+    b_t = winograd_matrices(m, r)[2]
     n = m + r - 1
     _, h, w, _ = x.shape
     th, tw = _tiles(h, r, m), _tiles(w, r, m)
