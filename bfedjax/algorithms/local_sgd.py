@@ -26,7 +26,7 @@ from bfedjax.laplace.fisher import (FISHER_ESTIMATORS, grad_and_fisher, incremen
 from bfedjax.models.apply import apply_fn_of, has_batch_stats, needs_train_mode, train_apply_fn_of
 from bfedjax.posteriors.gaussian import broadcast_precision
 from bfedjax.privacy.dp import private_gradient
-from bfedjax.tree import tree_zeros_like
+from bfedjax.tree import tree_squared_norm, tree_zeros_like
 
 # prior_fn(ctx) -> (center pytree, precision pytree or scalar) or None.
 PriorFn = Callable[[ClientContext], Any]
@@ -35,7 +35,8 @@ CorrectionFn = Callable[[ClientContext], Any]
 
 
 class LocalState(NamedTuple):
-    """params: local weights; opt_state: optax state; fisher: accumulated increments (``()`` if none);
+    """params: local weights; opt_state: optax state; fisher: ``fisher_init`` (zeros by default) plus the
+    accumulated increments (``()`` if none);
     steps: ``[]`` int32 real steps taken this round; loss: ``[]`` the training loss of the last
     real batch, before its update (FedRef's ``last_batch`` report, the paper's ``F(theta^(s); B^(s))``)."""
 
@@ -71,7 +72,7 @@ def make_sgd_client(model, *, prior_fn: PriorFn | None = None, prior_weight: str
                     clip_norm: float | None = 10.0, momentum: float = 0.0, prior_grad: bool = True,
                     optimizer: str = "sgd", dp_clip: float | None = None, dp_noise: float = 0.0,
                     correction_fn: CorrectionFn | None = None, weight_decay: float = 0.0,
-                    loss_fn: Callable | None = None):
+                    loss_fn: Callable | None = None, fisher_init: Callable[[ClientContext], Any] | None = None):
     """Returns ``(client_init, client_step)`` for local SGD.
 
     Args:
@@ -81,6 +82,9 @@ def make_sgd_client(model, *, prior_fn: PriorFn | None = None, prior_weight: str
       prior_weight: the hyper-parameter that is ``lam`` above (``"lam"``; FedProx: ``"mu"``).
       fisher: online Fisher estimator accumulated into ``LocalState.fisher``
         (one of ``laplace.FISHER_ESTIMATORS``) or ``None``.
+      fisher_init: ``ctx -> pytree like the parameters``, where the Fisher sum starts (default
+        zeros). FOLA starts it at the server's precision when its message is that plus the sum,
+        which saves the client a pass over the model.
       clip_norm: global-norm clipping of the total gradient (FOLA authors: 10).
       momentum: heavy-ball momentum (0: plain SGD, a fresh state each round).
       optimizer: ``"sgd"`` or ``"adam"`` (Fischer et al. train with Adam, its state reset every round).
@@ -139,7 +143,10 @@ def make_sgd_client(model, *, prior_fn: PriorFn | None = None, prior_weight: str
     def client_init(ctx: ClientContext, key) -> LocalState:
         del key
         params = ctx.server["params"]
-        acc = tree_zeros_like(params) if fisher is not None else ()
+        if fisher is None:
+            acc = ()
+        else:
+            acc = fisher_init(ctx) if fisher_init is not None else tree_zeros_like(params)
         return LocalState(params, tx.init(params), acc, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
 
     def total_gradient(grad, params, ctx: ClientContext, expanded_prior: bool = False):
@@ -200,5 +207,5 @@ def clip_scale(grad, clip_norm: float | None) -> jax.Array:
     """Scalar factor of global-norm clipping (as ``optax.clip_by_global_norm``): 1 below the norm."""
     if clip_norm is None:
         return jnp.ones((), jnp.float32)
-    norm = optax.tree.norm(grad)
+    norm = jnp.sqrt(tree_squared_norm(grad))
     return jnp.where(norm < clip_norm, 1.0, clip_norm / norm)
