@@ -37,6 +37,22 @@ def _round(algo, fed, params, backend="vmap", chunk=None, client_weights=None, o
 # --- non-finite clients ------------------------------------------------------------------------------
 
 
+def test_finite_rows_flags_nan_and_both_infinities_in_any_leaf_without_overflow():
+    """engine.finite_rows sums x * 0 per row (a matrix-vector product on a CPU): NaN, +inf and -inf anywhere
+    flag their row; values near float32's maximum, integer leaves and bfloat16 leaves do not break it."""
+    from bfedjax.core.engine import finite_rows
+    k = np.full((5, 6, 7, 8), 3e38, np.float32)  # a plain sum of a row would overflow to inf
+    b = np.ones((5, 3), np.float32)
+    k[1, 5, 6, 7], k[2, 0, 0, 0], b[3, 1] = np.nan, np.inf, -np.inf
+    tree = {"k": jnp.asarray(k), "b": jnp.asarray(b), "s": jnp.asarray([0.0, 1.0, 2.0, 3.0, np.nan]),
+            "n": jnp.arange(5), "h": jnp.ones((5, 4, 4), jnp.bfloat16)}
+    expected = [True, False, False, False, False]
+    np.testing.assert_array_equal(finite_rows(tree, 5), expected)
+    np.testing.assert_array_equal(jax.jit(finite_rows, static_argnums=1)(tree, 5), expected)
+    tree["h"] = tree["h"].at[0, 1, 2].set(jnp.inf)
+    np.testing.assert_array_equal(finite_rows(tree, 5), [False] * 5)
+
+
 @pytest.mark.parametrize("name,backend,chunk", [("fedavg", "vmap", None), ("fola", "vmap", 2),
                                                 ("scaffold", "sequential", None), ("fedavg", "vmap", 1)])
 def test_a_nan_client_drops_out_and_the_rest_aggregate_as_without_it(nan_fed, small_fed, tiny_model, tiny_params,
