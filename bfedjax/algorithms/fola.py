@@ -128,7 +128,7 @@ def prior_precision(server, round_index, cfg: FolaConfig):
     """Precision of the client prior in round ``round_index`` (1-based) from the server state."""
     precision = server["precision"]
     if cfg.fisher != "offline" and cfg.precision_mode == "running_sum":
-        precision = jax.tree.map(lambda w: w / round_index, precision)
+        precision = jax.tree.map(lambda w: w * (1.0 / round_index), precision)  # a product XLA fuses into each use
     if cfg.gamma:
         precision = jax.tree.map(lambda w: w + cfg.gamma, precision)
     return precision
