@@ -24,6 +24,9 @@ machine only ever adds time) of
                parameters, eager and under ``torch.compile`` (FedAvg and FOLA),
   * centralised - the ceiling a round can approach: one model trained by one jitted SGD
                scan on the same samples at batch K x B (as many sequential steps as a client),
+  * alternated - at K = 100 (B = 10 and 50), FedAvg's and FOLA's default layouts once more, their
+               rounds taken in turn (at least 10 each): FOLA / FedAvg's target reads these, a ratio
+               under one machine load (rows timed minutes apart drift by 5-10% on a shared machine),
 and marks as ``default`` the library row of the layout ``simulate`` picks by itself
 (``clients_per_chunk="auto"``, ``bfedjax.core.layout``). It reports the round time, client-samples per second, achieved FLOP/s
 (training FLOPs on real samples, from XLA's cost analysis of the model,
@@ -63,7 +66,7 @@ import numpy as np
 from absl import app, flags, logging
 
 from experiments import bench_anchors, bench_torch, errors
-from experiments.bench_report import RESNET_COMPILE_CONFIG, check_targets, markdown
+from experiments.bench_report import ALTERNATED, ALTERNATED_CONFIGS, RESNET_COMPILE_CONFIG, check_targets, markdown
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("quick", True, "Quick mode: fewer configurations, and the variational and FedReg clients "
@@ -240,12 +243,12 @@ def training_flops_per_sample(model, input_shape) -> float:
     return 3.0 * float(cost["flops"])
 
 
-def time_library(algorithm, fed, config: Config, backend: str, rounds: int, fixed_local_steps: bool = True,
-                 client_devices: int = 1) -> dict:
-    """One library configuration's ``{"compile_s", "round_s" (fastest), "median_round_s", ...}`` over ``rounds``
-    (vmap: also ``"trace_s"``, ``"lower_s"`` and ``"compile_only_s"``, the ahead-of-time compilation in all)
-    timed rounds after a warm-up; ``fixed_local_steps`` lets ``with_fixed_local_steps`` decide, as ``simulate``;
-    ``client_devices``: the chunks split over this many devices (``RoundConfig.client_devices``)."""
+def prepared_round(algorithm, fed, config: Config, backend: str, fixed_local_steps: bool = True,
+                   client_devices: int = 1) -> tuple:
+    """``(step, state, arrays, out)``: one library configuration's round step, its donated state and round
+    arrays, as ``simulate`` runs it (vmap: compiled ahead of time, ``out`` holding ``"trace_s"``, ``"lower_s"``,
+    ``"compile_only_s"`` and ``"memory_mb"``); ``fixed_local_steps`` lets ``with_fixed_local_steps`` decide,
+    as ``simulate``; ``client_devices``: the chunks split over this many devices (``RoundConfig.client_devices``)."""
     import jax
     from bfedjax.core import (RoundConfig, init_state, make_round_step, replicated_on, with_fixed_local_steps,
                               with_own_buffers)
@@ -273,17 +276,51 @@ def time_library(algorithm, fed, config: Config, backend: str, rounds: int, fixe
         if mem is not None:
             out["memory_mb"] = (mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
                                 - mem.alias_size_in_bytes) / 2**20  # the donated state is held once
+    return step, state, arrays, out
+
+
+def timed_round(algorithm, step, state, arrays, round_index: int) -> tuple:
+    """``(seconds, new state)`` of round ``round_index`` (0-based), run to completion."""
+    import jax
+    from bfedjax.core.simulate import traced_hparams
+    hp = traced_hparams(algorithm, round_index + 1)
+    start = time.perf_counter()
+    state, metrics = step(state, arrays, jax.random.PRNGKey(round_index), hp)
+    jax.block_until_ready((state, metrics))
+    return time.perf_counter() - start, state
+
+
+def time_library(algorithm, fed, config: Config, backend: str, rounds: int, fixed_local_steps: bool = True,
+                 client_devices: int = 1) -> dict:
+    """One library configuration's ``{"compile_s", "round_s" (fastest), "median_round_s", ...}`` over ``rounds``
+    timed rounds after a warm-up (``prepared_round``'s arguments and entries)."""
+    step, state, arrays, out = prepared_round(algorithm, fed, config, backend, fixed_local_steps, client_devices)
     times = []
     for r in range(rounds + 1):
-        hp = traced_hparams(algorithm, r + 1)
-        start = time.perf_counter()
-        state, metrics = step(state, arrays, jax.random.PRNGKey(r), hp)
-        jax.block_until_ready((state, metrics))
-        times.append(time.perf_counter() - start)
+        seconds, state = timed_round(algorithm, step, state, arrays, r)
+        times.append(seconds)
     out["compile_s"] = times[0] + out.get("compile_only_s", 0.0)  # compile + first (warm-up) round
     out["round_s"] = min(times[1:])
     out["median_round_s"] = float(np.median(times[1:]))
     return out
+
+
+def time_alternating(algorithms: dict, fed, config: Config, rounds: int, fixed_local_steps: bool = True) -> dict:
+    """``{name: fastest round}`` of ``algorithms`` (``{name: (algorithm, library variant)}``), their rounds taken
+    in turn (A, B, A, B, ...) after a warm-up each, so that a ratio of two of them is measured under one machine
+    load: rows timed minutes apart on a shared 2-core machine drift by 5-10%."""
+    prepared = {}
+    for name, (algorithm, variant) in algorithms.items():
+        layout_config, backend, devices = library_layout(variant, fed, config)
+        prepared[name] = list(prepared_round(algorithm, fed, layout_config, backend, fixed_local_steps, devices))
+    best = {}
+    for r in range(rounds + 1):
+        for name, (algorithm, _) in algorithms.items():
+            step, state, arrays, _ = prepared[name]
+            seconds, prepared[name][1] = timed_round(algorithm, step, state, arrays, r)
+            if r:
+                best[name] = min(best.get(name, seconds), seconds)
+    return best
 
 
 def time_aggregation(algorithm, fed, rounds: int = 5) -> float:
@@ -306,6 +343,7 @@ def time_aggregation(algorithm, fed, rounds: int = 5) -> float:
                for _ in range(rounds))
 
 
+ALTERNATED_ROUNDS = 10  # rounds of each algorithm in an alternated measurement (at least)
 INPUT_SHAPES = {"mlp": (28, 28, 1), "fedreg_cnn": (28, 28, 1), "fola_cnn": (32, 32, 3), "resnet20": (32, 32, 3)}
 
 
@@ -376,6 +414,25 @@ def main(argv):
         real_samples = int(fed.counts.sum())
         steps = int(np.ceil(fed.counts / config.batch_size).sum())  # local steps of all clients in a round
         ratio = fed.padded_work_ratio(config.batch_size, config.clients_per_chunk)
+        measured = {}  # name -> (algorithm, default variant, aggregation seconds, roofline seconds)
+
+        def record(result, name, backend, agg_s, roofline_s, default):
+            library = backend.startswith(("vmap", ALTERNATED))
+            result.update(config=config.name, algorithm=name, backend=backend, clients=fed.num_clients,
+                          batch_size=config.batch_size, padded_work_ratio=ratio if library else 1.0,
+                          samples_per_s=real_samples / result["round_s"],
+                          gflops=real_samples * flops_per_sample / result["round_s"] / 1e9,
+                          aggregation_share=agg_s / result["round_s"] if library else None,
+                          roofline_fraction=roofline_s / result["round_s"], default=backend == default)
+            result["peak_fraction"] = result["gflops"] * 1e9 / peak
+            result["process_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            rows.append(result)
+            print(f"{config.name:38s} {name:7s} {backend:18s} round {result['round_s']:8.3f}s  "
+                  f"{result['samples_per_s']:10.0f} samples/s  {result['gflops']:6.1f} GFLOP/s "
+                  f"({100 * result['peak_fraction']:4.1f}% of peak, {100 * result['roofline_fraction']:4.1f}% of "
+                  f"roofline){'  default' if result['default'] else ''}", flush=True)
+            write_report(machine, peak, bandwidth, data[INPUT_SHAPES["mlp"]].name, rows)
+
         for name in [a for a in config.algorithms if a in FLAGS.algorithms]:
             algorithm = make_algorithm(name, model, fed, config.batch_size, FLAGS.bfl_gradient_estimator)
             agg_s = time_aggregation(algorithm, fed)
@@ -387,29 +444,23 @@ def main(argv):
             traffic = bench_anchors.round_traffic_bytes(param_counts[config.model], 1, steps,
                                                         name if name == "fola" else "fedavg")
             roofline_s = bench_anchors.roofline_seconds(real_samples * flops_per_sample, traffic, peak, bandwidth)
+            measured[name] = (algorithm, default, agg_s, roofline_s)
             # quick mode: one timed round of the variational and FedReg clients (no target reads them)
             timed_rounds = FLAGS.rounds or config.rounds or (
                 1 if FLAGS.quick and name not in bench_torch.ALGORITHMS else rounds)
             for backend in variants_of(config, name, backends, on_cpu, default, cpu_devices if on_cpu else 1,
                                        one_device):
-                if (config.name, name, backend) in done:
-                    continue
-                result = measure(backend, algorithm, fed, config, name, model, timed_rounds)
-                library = backend.startswith("vmap")
-                result.update(config=config.name, algorithm=name, backend=backend, clients=fed.num_clients,
-                              batch_size=config.batch_size, padded_work_ratio=ratio if library else 1.0,
-                              samples_per_s=real_samples / result["round_s"],
-                              gflops=real_samples * flops_per_sample / result["round_s"] / 1e9,
-                              aggregation_share=agg_s / result["round_s"] if library else None,
-                              roofline_fraction=roofline_s / result["round_s"], default=backend == default)
-                result["peak_fraction"] = result["gflops"] * 1e9 / peak
-                result["process_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-                rows.append(result)
-                print(f"{config.name:38s} {name:7s} {backend:18s} round {result['round_s']:8.3f}s  "
-                      f"{result['samples_per_s']:10.0f} samples/s  {result['gflops']:6.1f} GFLOP/s "
-                      f"({100 * result['peak_fraction']:4.1f}% of peak, {100 * result['roofline_fraction']:4.1f}% of "
-                      f"roofline){'  default' if result['default'] else ''}", flush=True)
-                write_report(machine, peak, bandwidth, data[INPUT_SHAPES["mlp"]].name, rows)
+                if (config.name, name, backend) not in done:
+                    record(measure(backend, algorithm, fed, config, name, model, timed_rounds), name, backend,
+                           agg_s, roofline_s, default)
+        pair = ("fedavg", "fola")
+        if (config.name in ALTERNATED_CONFIGS and all(n in measured and measured[n][1] for n in pair)
+                and "vmap" in backends and not any(c == config.name and b.startswith(ALTERNATED) for c, _, b in done)):
+            # FOLA / FedAvg's target: their default layouts' rounds in turn, the ratio under one machine load
+            best = time_alternating({n: measured[n][:2] for n in pair}, fed, config,
+                                    max(FLAGS.rounds or rounds, ALTERNATED_ROUNDS), FLAGS.fixed_local_steps)
+            for n in pair:
+                record({"round_s": best[n]}, n, f"{ALTERNATED} {measured[n][1]}", *measured[n][2:], None)
     print("\n" + write_report(machine, peak, bandwidth, data[INPUT_SHAPES["mlp"]].name, rows))
 
 
@@ -424,16 +475,21 @@ def measure(backend: str, algorithm, fed, config: Config, name: str, model, roun
     elif backend == "centralised":
         first, best = bench_anchors.centralised_round_seconds(model, fed, config.batch_size, rounds=rounds)
         return {"compile_s": first, "round_s": best}
-    elif backend.startswith("vmap/c"):
-        chunk, _, devices = backend[len("vmap/c"):].partition("x")
-        chunked = dataclasses.replace(config, clients_per_chunk=int(chunk))
-        return time_library(algorithm, fed, chunked, "vmap", rounds, FLAGS.fixed_local_steps, int(devices or 1))
-    elif backend == "vmap" and config.clients_per_chunk:  # named chunks: split over the devices as simulate would
-        return time_library(algorithm, fed, config, backend, rounds, FLAGS.fixed_local_steps,
-                            default_devices(fed, config.clients_per_chunk))
     else:
-        return time_library(algorithm, fed, config, backend, rounds, FLAGS.fixed_local_steps)
+        layout_config, library_backend, devices = library_layout(backend, fed, config)
+        return time_library(algorithm, fed, layout_config, library_backend, rounds, FLAGS.fixed_local_steps, devices)
     return {"compile_s": times[0], "round_s": min(times[1:])}
+
+
+def library_layout(backend: str, fed, config: Config) -> tuple:
+    """``(config, backend, client_devices)`` that ``time_library`` runs a library variant (``vmap``, ``vmap/cN``,
+    ``vmap/cNxD``, ``stepwise``, ...) with."""
+    if backend.startswith("vmap/c"):
+        chunk, _, devices = backend[len("vmap/c"):].partition("x")
+        return dataclasses.replace(config, clients_per_chunk=int(chunk)), "vmap", int(devices or 1)
+    if backend == "vmap" and config.clients_per_chunk:  # named chunks: split over the devices as simulate would
+        return config, backend, default_devices(fed, config.clients_per_chunk)
+    return config, backend, 1
 
 
 def default_variant(algorithm, fed, config: Config, client_devices="auto") -> str:

@@ -7,10 +7,18 @@ A row is a dict with at least ``config``, ``algorithm``, ``backend``, ``round_s`
 from __future__ import annotations
 
 
+ALTERNATED = "alternated"  # rows of the default layout timed with another algorithm's rounds in turn
+ALTERNATED_CONFIGS = ("mlp K=100 B=10", "mlp K=100 B=50")  # those of the FOLA / FedAvg target
+
+
 def _find(rows, config, algorithm, backend):
     """The row of ``backend``; for "vmap", the fastest library variant (plain or chunked); for
-    "default", the library row of the layout ``simulate`` picks by itself."""
-    if backend == "default":
+    "default", the library row of the layout ``simulate`` picks by itself; for "alternated", the default
+    layout's row timed in turn with another algorithm (``ALTERNATED``)."""
+    if backend == ALTERNATED:
+        found = [r for r in rows if r["config"] == config and r["algorithm"] == algorithm
+                 and r["backend"].startswith(ALTERNATED)]
+    elif backend == "default":
         found = [r for r in rows if r["config"] == config and r["algorithm"] == algorithm and r.get("default")]
     else:
         found = [r for r in rows if r["config"] == config and r["algorithm"] == algorithm
@@ -78,11 +86,17 @@ def check_targets(rows, platform: str = "cpu") -> list[dict]:
     v = _find(rows, "mlp K=100 B=50", "fedavg", "vmap")
     if v:
         add("fraction of matmul peak, MLP K=100 B=50", v["peak_fraction"], ">= 0.5", v["peak_fraction"] >= 0.5)
-    for config in ("mlp K=100 B=10", "mlp K=100 B=50"):
-        a, f = _find(rows, config, "fedavg", "vmap"), _find(rows, config, "fola", "vmap")
-        if a and f:
+    for config in ALTERNATED_CONFIGS:
+        a, f = _find(rows, config, "fedavg", ALTERNATED), _find(rows, config, "fola", ALTERNATED)
+        how = "default layouts, rounds alternated"
+        if not (a and f):  # a report from before the alternated rows
+            a, f = _find(rows, config, "fedavg", "vmap"), _find(rows, config, "fola", "vmap")
+            how = "fastest library variant of each"
+        if a and f:  # issue 18's goal is at B = 50; B = 10 (more steps per client) is reported alongside
             ratio = f["round_s"] / a["round_s"]
-            add(f"FOLA round / FedAvg round, {config} (fastest library variant of each)", ratio, "<= 1.3x", ratio <= 1.3)
+            at_goal = config.endswith("B=50")
+            add(f"FOLA round / FedAvg round, {config} ({how})", ratio, "<= 1.3x" if at_goal else "reported",
+                ratio <= 1.3 if at_goal else None)
     gaps = [(d["round_s"] / _find(rows, d["config"], d["algorithm"], "vmap")["round_s"], d)
             for d in rows if d.get("default")]
     if gaps:
