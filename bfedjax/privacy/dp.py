@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from bfedjax.core.types import Batch
 from bfedjax.laplace.fisher import per_example_grads
 from bfedjax.optional import require
+from bfedjax.tree import row_sums
 
 RDP_ORDERS = tuple(range(2, 257))  # integer Renyi orders (fractional ones need a slow, noisy series)
 
@@ -37,11 +38,24 @@ def clip_per_example(grads, clip_norm: float):
     Returns:
       ``(clipped grads [B, ...], norms before clipping [B])``.
     """
-    leaves = jax.tree.leaves(grads)
-    sq = sum(jnp.sum(jnp.square(g).reshape(g.shape[0], -1), axis=1) for g in leaves)
-    norms = jnp.sqrt(sq)
-    factor = jnp.minimum(1.0, clip_norm / jnp.maximum(norms, 1e-30))
+    norms = per_example_norms(grads)
+    factor = clip_factors(norms, clip_norm)
     return jax.tree.map(lambda g: g * factor.reshape((-1,) + (1,) * (g.ndim - 1)), grads), norms
+
+
+def per_example_norms(grads) -> jax.Array:
+    """``[B]``: the global norm of each example's gradient (leaves ``[B, ...]``), summed with
+    ``tree.row_sums`` (matrix-vector products on a CPU, not XLA:CPU's slow tree reduction)."""
+    def squares(g):
+        if g.ndim < 3:
+            return row_sums(jnp.square(g).reshape(g.shape[0], -1))
+        return jnp.sum(row_sums(jnp.square(g).reshape(-1, g.shape[-1])).reshape(g.shape[0], -1), axis=1)
+    return jnp.sqrt(sum(squares(g) for g in jax.tree.leaves(grads)))
+
+
+def clip_factors(norms: jax.Array, clip_norm: float) -> jax.Array:
+    """``[B]``: ``min(1, C / ||g_b||)``, the factor that clips each example's gradient to norm ``C``."""
+    return jnp.minimum(1.0, clip_norm / jnp.maximum(norms, 1e-30))
 
 
 def gaussian_like(tree, key: jax.Array, std) -> object:
@@ -61,9 +75,11 @@ def private_gradient(apply_fn: Callable, params, batch: Batch, key: jax.Array, *
       key: noise key of this step.
     """
     losses, grads = per_example_grads(apply_fn, params, batch)
-    clipped, _ = clip_per_example(grads, clip_norm)
+    factor = clip_factors(per_example_norms(grads), clip_norm)
     n = jnp.maximum(jnp.sum(batch.mask), 1.0)
-    total = jax.tree.map(lambda g: jnp.sum(g, axis=0), clipped)
+    # the clipped sum as one product [B] x [B, ...]: scaling and then summing over B read the per-example
+    # gradients twice (an MLP's DP-SGD step on one CPU core: 28 ms this way, 5.7 ms as a product)
+    total = jax.tree.map(lambda g: jnp.tensordot(factor.astype(g.dtype), g, axes=1), grads)
     if noise_multiplier:
         noise = gaussian_like(total, key, noise_multiplier * clip_norm)
         total = jax.tree.map(jnp.add, total, noise)
