@@ -1,0 +1,170 @@
+r"""Sums over model-sized arrays: the library's forms against XLA's plain reductions, on this machine.
+
+    python -m experiments.bench_reductions                                   # about a minute on 2 CPU cores
+    python -m experiments.bench_reductions --output=results/bench/reductions.md
+
+The library sums a training step's model-sized arrays with ``tree.row_sums``: on a CPU a matrix-vector
+product with a vector of ones, which XLA fuses with the array's producer, where XLA:CPU would emit a
+tree reduction that reads a transposed weight gradient or a flag array slowly. This script times, in a
+jitted loop of ``--steps`` iterations on the MLP 784-200-200-10 (``--batch_size`` random images), each
+sum in the library's form and in the plain ``jnp.sum`` form:
+
+  * clip norm: FOLA's local step (``algorithms.local_sgd``: clipped to global norm 10, the gradient plus
+    the prior pull, and the Fisher), its clip norm by ``tree.tree_squared_norm`` or by ``jnp.sum`` (the
+    library's function swapped for the plain one while the loop is traced);
+  * DP-SGD step: ``privacy.dp.private_gradient`` against the same maths with ``jnp.sum`` for the
+    per-example norms and the clipped sum;
+  * finite check: a FOLA round (100 clients in turn, B = 50), each client's message checked by
+    ``core.engine.finite_rows`` or with ``jnp.all(jnp.isfinite(...))`` per leaf, the two rounds taken in turn.
+
+Prints the fastest of ``--repeats`` runs (per iteration; per round for the finite check) and the
+speed-up; on a GPU both forms are ``jnp.sum`` (``row_sums`` keeps the product for CPUs).
+"""
+from __future__ import annotations
+
+import time
+from unittest import mock
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("steps", 20, "Iterations of each jitted loop.")
+flags.DEFINE_integer("repeats", 5, "Timed runs of each loop (the fastest reported).")
+flags.DEFINE_integer("batch_size", 10, "Images per step.")
+flags.DEFINE_string("output", None, "Also write the markdown table to this file.")
+for _name in ("steps", "repeats", "batch_size"):
+    flags.register_validator(_name, lambda v: v >= 1, message=f"--{_name} must be >= 1")
+
+
+def plain_squared_norm(tree):
+    """``sum`` of every leaf's squares with ``jnp.sum`` (XLA's reduction)."""
+    import jax
+    import jax.numpy as jnp
+    return sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree))
+
+
+def plain_private_gradient(apply_fn, params, batch, key, clip_norm: float, noise_multiplier: float):
+    """``privacy.dp.private_gradient``'s maths with ``jnp.sum`` for the per-example norms and the clipped sum."""
+    import jax
+    import jax.numpy as jnp
+    from bfedjax.laplace.fisher import per_example_grads
+    from bfedjax.privacy.dp import clip_factors, gaussian_like
+    losses, grads = per_example_grads(apply_fn, params, batch)
+    norms = jnp.sqrt(sum(jnp.sum(jnp.square(g).reshape(g.shape[0], -1), axis=1) for g in jax.tree.leaves(grads)))
+    factor = clip_factors(norms, clip_norm)
+    total = jax.tree.map(lambda g: jnp.sum(g * factor.reshape((-1,) + (1,) * (g.ndim - 1)), axis=0), grads)
+    total = jax.tree.map(jnp.add, total, gaussian_like(total, key, noise_multiplier * clip_norm))
+    n = jnp.maximum(jnp.sum(batch.mask), 1.0)
+    return jnp.sum(losses * batch.mask) / n, jax.tree.map(lambda g: g / n, total)
+
+
+def plain_finite_rows(tree, slots: int):
+    """``core.engine.finite_rows`` with ``jnp.all(jnp.isfinite(...))`` per leaf."""
+    import jax
+    import jax.numpy as jnp
+    rows = [jnp.all(jnp.isfinite(jnp.reshape(x, (slots, -1))), axis=1) for x in jax.tree.leaves(tree)]
+    return jnp.sum(jnp.stack(rows, axis=1).astype(jnp.float32), axis=1) == len(rows)
+
+
+def loops(model, params, batch):
+    """``{sum: (library loop, plain loop)}``, each ``(params, key) -> params`` jitted over ``--steps`` iterations."""
+    import jax
+    import jax.numpy as jnp
+    from bfedjax.models import apply_fn_of
+    from bfedjax.algorithms import fola, local_sgd
+    from bfedjax.core import ClientContext, ClientData
+    from bfedjax.core.simulate import traced_hparams
+    from bfedjax.privacy.dp import private_gradient
+    from bfedjax.tree import tree_squared_norm
+
+    def clip_loop(squared_norm):
+        """FOLA's local steps (``local_sgd``: clip norm 10 of the gradient plus the prior pull), its clip norm
+        summed by ``squared_norm``."""
+        algorithm = fola(model, lr=0.01, lam=100.0, precision_diagnostics=False)
+        server = {"params": params, "precision": jax.tree.map(jnp.ones_like, params)}
+        data = ClientData(batch.x, batch.y, jnp.int32(batch.x.shape[0]))
+        ctx = ClientContext(server, (), data, traced_hparams(algorithm, 2))
+
+        def run(params, key):
+            with mock.patch.object(local_sgd, "tree_squared_norm", squared_norm):  # read while tracing
+                local = algorithm.client_init(ctx, key)
+                step = lambda i, local: algorithm.client_step(local, batch, ctx, jax.random.fold_in(key, i))
+                return jax.lax.fori_loop(0, FLAGS.steps, step, local).params
+        return run
+
+    def dp_loop(gradient):
+        def step(i, params, key):
+            _, grad = gradient(apply_fn, params, batch, jax.random.fold_in(key, i), clip_norm=1.0, noise_multiplier=1.0)
+            return jax.tree.map(lambda t, g: t - 0.01 * g, params, grad)
+        return lambda params, key: jax.lax.fori_loop(0, FLAGS.steps, lambda i, p: step(i, p, key), params)
+
+    apply_fn = apply_fn_of(model)
+    return {"clip norm (SGD step, FOLA's pull)": (clip_loop(tree_squared_norm), clip_loop(plain_squared_norm)),
+            "DP-SGD step": (dp_loop(private_gradient), dp_loop(plain_private_gradient))}
+
+
+def finite_check_round_ms(fed_images) -> tuple[float, float]:
+    """``(library, plain)``: FOLA's default-layout round (100 clients x 100 images, B = 50, in turn on every
+    core), its clients' messages checked by ``core.engine.finite_rows`` or by ``plain_finite_rows`` (swapped
+    in while the round is compiled), the two rounds taken in turn; fastest of ``--repeats`` ms each."""
+    from experiments import bench
+    from bfedjax.core import engine
+    from bfedjax.models import get_model
+    config = bench.Config("mlp K=100 B=50", "uniform", 100, 50, clients_per_chunk=1)
+    fed = bench.federate(fed_images, config)
+    algorithm = bench.make_algorithm("fola", get_model("mlp", 10, hidden=(200, 200)), fed, 50)
+    devices = bench.default_devices(fed, 1)
+    prepared = [list(bench.prepared_round(algorithm, fed, config, "vmap", True, devices))]
+    with mock.patch.object(engine, "finite_rows", plain_finite_rows):
+        prepared.append(list(bench.prepared_round(algorithm, fed, config, "vmap", True, devices)))
+    best = [float("inf"), float("inf")]
+    for r in range(FLAGS.repeats + 1):
+        for i, (step, state, arrays, _) in enumerate(prepared):
+            seconds, prepared[i][1] = bench.timed_round(algorithm, step, state, arrays, r)
+            best[i] = min(best[i], seconds) if r else best[i]
+    return 1e3 * best[0], 1e3 * best[1]
+
+
+def fastest_ms(fn, params, key) -> float:
+    import jax
+    jax.block_until_ready(fn(params, key))  # compile
+    best = float("inf")
+    for _ in range(FLAGS.repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(params, key))
+        best = min(best, time.perf_counter() - start)
+    return 1e3 * best / FLAGS.steps
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}; fix: flags take the form --name=value")
+    import bfedjax as bf
+    devices = bf.core.layout.use_cpu_cores()  # the round's default layout: clients in turn on every core
+    import jax
+    import jax.numpy as jnp
+    from experiments import bench
+    model = bf.models.get_model("mlp", 10, hidden=(200, 200))
+    params = bf.models.init_params(model, (28, 28, 1), jax.random.PRNGKey(0))
+    batch = bf.core.Batch(jax.random.normal(jax.random.PRNGKey(1), (FLAGS.batch_size, 28, 28, 1)),
+                          jnp.arange(FLAGS.batch_size) % 10, jnp.ones((FLAGS.batch_size,), jnp.float32))
+    device = jax.devices()[0]
+    lines = [f"Device: {device.platform} ({device.device_kind}); MLP 784-200-200-10, B = {FLAGS.batch_size}; "
+             f"ms per iteration, fastest of {FLAGS.repeats} runs of {FLAGS.steps}.", "",
+             "| sum | library (ms) | jnp.sum (ms) | speed-up |", "|---|---|---|---|"]
+    for name, (library, plain) in loops(model, params, batch).items():
+        fast, slow = (fastest_ms(jax.jit(fn), params, jax.random.PRNGKey(2)) for fn in (library, plain))
+        lines.append(f"| {name} | {fast:.3f} | {slow:.3f} | {slow / fast:.2f}x |")
+        print(lines[-1], flush=True)
+    fast, slow = finite_check_round_ms(bench.load_images())
+    lines.append(f"| finite check: FOLA round, 100 clients x 100 images, B = 50, in turn on {devices} devices "
+                 f"(rounds alternated) | {fast:.1f} | {slow:.1f} | {slow / fast:.2f}x |")
+    text = "\n".join(lines) + "\n"
+    print("\n" + text)
+    if FLAGS.output:
+        with open(FLAGS.output, "w") as f:
+            f.write(f"`python -m experiments.bench_reductions --output={FLAGS.output}`\n\n" + text)
+
+
+if __name__ == "__main__":
+    app.run(main)
