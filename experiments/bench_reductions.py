@@ -22,6 +22,7 @@ speed-up; on a GPU both forms are ``jnp.sum`` (``row_sums`` keeps the product fo
 """
 from __future__ import annotations
 
+import sys
 import time
 from unittest import mock
 
@@ -163,7 +164,7 @@ def main(argv):
     print("\n" + text)
     if FLAGS.output:
         with open(FLAGS.output, "w") as f:
-            f.write(f"`python -m experiments.bench_reductions --output={FLAGS.output}`\n\n" + text)
+            f.write(f"`python -m experiments.bench_reductions {' '.join(sys.argv[1:])}`\n\n" + text)
 
 
 if __name__ == "__main__":

@@ -628,7 +628,7 @@ def _zero_times_row_sums(x, slots: int) -> jax.Array:
     """``[C]``: the sum of ``x * 0`` over each row of ``x [C, ...]``, 0 where the row is finite and NaN where
     it is not (``inf * 0`` is NaN; the sum cannot overflow). Summed with ``tree.row_sums`` (a matrix-vector
     product on a CPU): ``all(isfinite(x))`` is a slow tree reduction of flags there (a FOLA round of 100
-    clients in turn, B = 50, is 3% faster: ``python -m experiments.bench_reductions``)."""
+    clients in turn, B = 50, is 3-7% faster: ``python -m experiments.bench_reductions``)."""
     zeros = x * 0
     if x.ndim < 2:
         return zeros
