@@ -32,10 +32,23 @@ def tree_squared_norm(tree: PyTree) -> jax.Array:
 
 
 def leaf_dot(x: jax.Array, y: jax.Array) -> jax.Array:
-    """``sum(x * y)`` of two real arrays of one shape (a scalar)."""
-    if x.ndim < 2:
-        return jnp.vdot(x, y)
-    return jnp.sum(row_sums((x * y).reshape(-1, x.shape[-1])))
+    """``sum(x * y)`` of two real arrays of one shape (a scalar), summed by ``sums_per_row``."""
+    if x.shape != y.shape or jnp.iscomplexobj(x) or jnp.iscomplexobj(y):
+        raise ValueError(f"leaf_dot takes two real arrays of one shape, got {x.dtype}{list(x.shape)} and "
+                         f"{y.dtype}{list(y.shape)}")
+    return sums_per_row((x * y)[None], 1)[0]
+
+
+def sums_per_row(x: jax.Array, rows: int) -> jax.Array:
+    """``[rows]``: the sum of ``x [rows, ...]`` over everything but its leading axis, as ``row_sums`` of
+    ``x`` reshaped to its last axis (then a short sum over the rest)."""
+    if x.size == 0:
+        return jnp.zeros((rows,), x.dtype)
+    if x.ndim == 1:
+        return x
+    if x.ndim == 2:
+        return row_sums(x)
+    return jnp.sum(row_sums(x.reshape(-1, x.shape[-1])).reshape(rows, -1), axis=1)
 
 
 def row_sums(x: jax.Array) -> jax.Array:
@@ -44,8 +57,8 @@ def row_sums(x: jax.Array) -> jax.Array:
     On a CPU a float32 ``x`` is summed as the matrix-vector product ``x @ ones(N)``, which XLA fuses
     with the elementwise producer of ``x``. XLA:CPU compiles a long sum of a weight gradient (a
     transposed layout before layout assignment) or of a flag array as a windowed tree reduction that
-    reads a few GB/s: with the product FOLA's local MLP step is 1.5x faster and a DP-SGD step 3.6-5.7x
-    (``python -m experiments.bench_reductions``). Elsewhere it is ``jnp.sum``.
+    reads a few GB/s: with the product FOLA's local MLP step is 1.46x faster and a DP-SGD step 5.1x
+    (``python -m experiments.bench_reductions``, ``results/bench/reductions.md``). Elsewhere it is ``jnp.sum``.
     """
     if x.dtype == jnp.float32 and jax.default_backend() == "cpu":
         return x @ jnp.ones((x.shape[1],), jnp.float32)
@@ -69,4 +82,4 @@ def tree_stack(trees: list) -> PyTree:
     return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
 
-__all__ = ["leaf_dot", "row_sums", "tree_dot", "tree_squared_norm", "tree_stack", "tree_sub", "tree_zeros_like", "weighted_sum"]
+__all__ = ["leaf_dot", "row_sums", "sums_per_row", "tree_dot", "tree_squared_norm", "tree_stack", "tree_sub", "tree_zeros_like", "weighted_sum"]

@@ -121,6 +121,9 @@ def test_global_norm_and_dot_match_float64_sums_on_every_leaf_rank():
     np.testing.assert_allclose(float(jax.jit(lambda k: tree_squared_norm(kernel_grad(k)))(a["k"])),
                                np.sum(np.asarray(kernel_grad(a["k"]), np.float64) ** 2), rtol=1e-5)
     np.testing.assert_allclose(row_sums(a["k"]), np.asarray(a["k"], np.float64).sum(axis=1), rtol=1e-5, atol=1e-5)
+    assert float(tree_squared_norm({**a, "empty": jnp.ones((4, 0, 3))})) == pytest.approx(norm2, rel=1e-5)
+    with pytest.raises(ValueError, match="real arrays of one shape"):
+        tree_dot(a, {**b, "k": b["k"][:1]})
 
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.5])

@@ -39,13 +39,13 @@ def _round(algo, fed, params, backend="vmap", chunk=None, client_weights=None, o
 
 def test_finite_rows_flags_nan_and_both_infinities_in_any_leaf_without_overflow():
     """engine.finite_rows sums x * 0 per row (a matrix-vector product on a CPU): NaN, +inf and -inf anywhere
-    flag their row; values near float32's maximum, integer leaves and bfloat16 leaves do not break it."""
+    flag their row; values near float32's maximum, integer, bfloat16 and empty leaves do not break it."""
     from bfedjax.core.engine import finite_rows
     k = np.full((5, 6, 7, 8), 3e38, np.float32)  # a plain sum of a row would overflow to inf
     b = np.ones((5, 3), np.float32)
     k[1, 5, 6, 7], k[2, 0, 0, 0], b[3, 1] = np.nan, np.inf, -np.inf
     tree = {"k": jnp.asarray(k), "b": jnp.asarray(b), "s": jnp.asarray([0.0, 1.0, 2.0, 3.0, np.nan]),
-            "n": jnp.arange(5), "h": jnp.ones((5, 4, 4), jnp.bfloat16)}
+            "n": jnp.arange(5), "h": jnp.ones((5, 4, 4), jnp.bfloat16), "e": jnp.ones((5, 3, 0)), "z": jnp.ones((5, 0))}
     expected = [True, False, False, False, False]
     np.testing.assert_array_equal(finite_rows(tree, 5), expected)
     np.testing.assert_array_equal(jax.jit(finite_rows, static_argnums=1)(tree, 5), expected)

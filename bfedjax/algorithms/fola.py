@@ -41,7 +41,7 @@ precision_diagnostics  report the spec's precision diagnostics (section 7) as se
                        sort of every parameter inside the round; False skips them)
 
 ``profile`` picks a consistent set: "default" (the spec's recommendation),
-"authors_code" (the released code bit for bit: detached prior) or "paper"
+"authors_code" (the released code's choices: detached prior) or "paper"
 (per-sample Fisher, 1/T, running average, eps 0, no clipping); explicit
 keyword arguments override the profile.
 """

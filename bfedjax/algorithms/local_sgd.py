@@ -146,7 +146,8 @@ def make_sgd_client(model, *, prior_fn: PriorFn | None = None, prior_weight: str
         if fisher is None:
             acc = ()
         else:
-            acc = fisher_init(ctx) if fisher_init is not None else tree_zeros_like(params)
+            acc = (jax.tree.map(lambda a, p: jnp.asarray(a, p.dtype), fisher_init(ctx), params)
+                   if fisher_init is not None else tree_zeros_like(params))
         return LocalState(params, tx.init(params), acc, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
 
     def total_gradient(grad, params, ctx: ClientContext, expanded_prior: bool = False):

@@ -75,7 +75,7 @@ from bfedjax.core import layout
 from bfedjax.core.attacks import Attack, attacked_messages
 from bfedjax.core.batching import batch_is_real, epoch_permutation, steps_per_epoch, take_batch
 from bfedjax.core.types import COHORT_WEIGHT, Algorithm, ClientContext, ClientData
-from bfedjax.tree import row_sums, tree_stack, weighted_sum
+from bfedjax.tree import sums_per_row, tree_stack, weighted_sum
 
 BACKENDS = ("vmap", "sequential", "stepwise", "debug")
 SERVER_KEY_STREAM = 0x5E5E  # the server's key is fold_in(round key, this): sampling and client keys stay as they were
@@ -615,24 +615,16 @@ def _kept_if_nobody_counts(new_server, old_server, weights, mask):
 
 def finite_rows(tree, slots: int) -> jax.Array:
     """``[C]`` bool: every floating leaf of ``tree`` (leaves ``[C, ...]``) is finite in row ``c``."""
-    rows = [_zero_times_row_sums(x, slots) == 0 for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    # x * 0 is 0 where x is finite and NaN where it is not (inf * 0 too), so a row's sum is 0 exactly when the
+    # row is finite and cannot overflow; summed by tree.sums_per_row (matrix-vector products on a CPU, where
+    # all(isfinite(x)) is a slow tree reduction of flags: a FOLA round 4% faster, results/bench/reductions.md)
+    rows = [sums_per_row(x * 0, slots) == 0 for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
     if not rows:
         return jnp.ones((slots,), bool)
     # One count over the stacked [C, L] flags. Chained per-leaf ``&`` (or ``all`` over the stack, which XLA
     # turns back into the chain) was copied into every per-leaf select that reads the result: with a BFL
     # ResNet-20's 214 message leaves a quarter of the compiled round's HLO (``experiments.bench_round``).
     return jnp.sum(jnp.stack(rows, axis=1).astype(jnp.float32), axis=1) == len(rows)
-
-
-def _zero_times_row_sums(x, slots: int) -> jax.Array:
-    """``[C]``: the sum of ``x * 0`` over each row of ``x [C, ...]``, 0 where the row is finite and NaN where
-    it is not (``inf * 0`` is NaN; the sum cannot overflow). Summed with ``tree.row_sums`` (a matrix-vector
-    product on a CPU): ``all(isfinite(x))`` is a slow tree reduction of flags there (a FOLA round of 100
-    clients in turn, B = 50, is 3-7% faster: ``python -m experiments.bench_reductions``)."""
-    zeros = x * 0
-    if x.ndim < 2:
-        return zeros
-    return jnp.sum(jnp.reshape(row_sums(jnp.reshape(zeros, (-1, x.shape[-1]))), (slots, -1)), axis=1)
 
 
 def _zero_rows(tree, keep):

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from bfedjax.core.types import Batch
 from bfedjax.laplace.fisher import per_example_grads
 from bfedjax.optional import require
-from bfedjax.tree import row_sums
+from bfedjax.tree import sums_per_row
 
 RDP_ORDERS = tuple(range(2, 257))  # integer Renyi orders (fractional ones need a slow, noisy series)
 
@@ -45,12 +45,8 @@ def clip_per_example(grads, clip_norm: float):
 
 def per_example_norms(grads) -> jax.Array:
     """``[B]``: the global norm of each example's gradient (leaves ``[B, ...]``), summed with
-    ``tree.row_sums`` (matrix-vector products on a CPU, not XLA:CPU's slow tree reduction)."""
-    def squares(g):
-        if g.ndim < 3:
-            return row_sums(jnp.square(g).reshape(g.shape[0], -1))
-        return jnp.sum(row_sums(jnp.square(g).reshape(-1, g.shape[-1])).reshape(g.shape[0], -1), axis=1)
-    return jnp.sqrt(sum(squares(g) for g in jax.tree.leaves(grads)))
+    ``tree.sums_per_row`` (matrix-vector products on a CPU, not XLA:CPU's slow tree reduction)."""
+    return jnp.sqrt(sum(sums_per_row(jnp.square(g), g.shape[0]) for g in jax.tree.leaves(grads)))
 
 
 def clip_factors(norms: jax.Array, clip_norm: float) -> jax.Array:
@@ -78,9 +74,10 @@ def private_gradient(apply_fn: Callable, params, batch: Batch, key: jax.Array, *
     factor = clip_factors(per_example_norms(grads), clip_norm)
     n = jnp.maximum(jnp.sum(batch.mask), 1.0)
     # the clipped sum as one product [B] x [B, ...]: scaling and then summing over B read the per-example
-    # gradients twice (with the norms' row_sums, an MLP's DP-SGD step is 3.6-5.7x faster on a CPU:
-    # python -m experiments.bench_reductions)
-    total = jax.tree.map(lambda g: jnp.tensordot(factor.astype(g.dtype), g, axes=1), grads)
+    # gradients twice (with the norms' sums_per_row, an MLP's DP-SGD step is 5.1x faster on a CPU:
+    # results/bench/reductions.md); HIGHEST keeps float32 where matmuls default to TF32 or bfloat16
+    total = jax.tree.map(lambda g: jnp.tensordot(factor.astype(g.dtype), g, axes=1,
+                                                 precision=jax.lax.Precision.HIGHEST), grads)
     if noise_multiplier:
         noise = gaussian_like(total, key, noise_multiplier * clip_norm)
         total = jax.tree.map(jnp.add, total, noise)
