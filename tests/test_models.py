@@ -355,14 +355,8 @@ def test_zoo_conv_takes_im2col_only_for_trained_patch_matrices_that_fit():
     call = lambda x, w: conv.conv_general_dilated(x, w, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
     trained = jax.grad(lambda w, x: jnp.sum(call(x, w)))
 
-    def names(fn, x):
-        from jax.extend.core import jaxprs_in_params
-        found, todo = set(), [jax.make_jaxpr(fn)(w, x).jaxpr]
-        while todo:  # through the custom-VJP and jit sub-jaxprs
-            for eqn in todo.pop().eqns:
-                found.add(eqn.primitive.name)
-                todo += list(jaxprs_in_params(eqn.params))
-        return found
+    def names(fn, x):  # through the custom-VJP and jit sub-jaxprs
+        return set(primitive_names(jax.make_jaxpr(fn)(w, x).jaxpr))
 
     if jax.default_backend() == "cpu":
         tiny = jnp.zeros((1, 12, 12, 32))  # 8 x 8 x 800 patches: 200 KiB
