@@ -57,7 +57,7 @@ def row_sums(x: jax.Array) -> jax.Array:
     On a CPU a float32 ``x`` is summed as the matrix-vector product ``x @ ones(N)``, which XLA fuses
     with the elementwise producer of ``x``. XLA:CPU compiles a long sum of a weight gradient (a
     transposed layout before layout assignment) or of a flag array as a windowed tree reduction that
-    reads a few GB/s: with the product FOLA's local MLP step is 1.46x faster and a DP-SGD step 5.1x
+    reads a few GB/s: with the product FOLA's local MLP step is 1.46x faster and a DP-SGD step 4.4x
     (``python -m experiments.bench_reductions``, ``results/bench/reductions.md``). Elsewhere it is ``jnp.sum``.
     """
     if x.dtype == jnp.float32 and jax.default_backend() == "cpu":
@@ -73,8 +73,11 @@ def weighted_sum(stacked: PyTree, weights: jax.Array) -> PyTree:
       weights: ``[C]``.
     Returns:
       leaves ``[...]``.
+    A product at ``HIGHEST`` precision: accelerators' default matmul precision (TF32, bfloat16) would round
+    float32 sums.
     """
-    return jax.tree.map(lambda x: jnp.tensordot(weights.astype(x.dtype), x, axes=1), stacked)
+    return jax.tree.map(lambda x: jnp.tensordot(weights.astype(x.dtype), x, axes=1,
+                                                precision=jax.lax.Precision.HIGHEST), stacked)
 
 
 def tree_stack(trees: list) -> PyTree:

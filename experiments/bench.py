@@ -61,6 +61,7 @@ import os
 import platform
 import resource
 import time
+from typing import NamedTuple
 
 import numpy as np
 from absl import app, flags, logging
@@ -344,6 +345,15 @@ def time_aggregation(algorithm, fed, rounds: int = 5) -> float:
 
 
 ALTERNATED_ROUNDS = 10  # rounds of each algorithm in an alternated measurement (at least)
+
+
+class Measured(NamedTuple):
+    """One algorithm of a configuration, for its alternated rows: the algorithm, its default variant (e.g.
+    ``vmap/c1x2``), and the aggregation's and the roofline's seconds."""
+    algorithm: object
+    default: str | None
+    aggregation_s: float
+    roofline_s: float
 INPUT_SHAPES = {"mlp": (28, 28, 1), "fedreg_cnn": (28, 28, 1), "fola_cnn": (32, 32, 3), "resnet20": (32, 32, 3)}
 
 
@@ -414,7 +424,7 @@ def main(argv):
         real_samples = int(fed.counts.sum())
         steps = int(np.ceil(fed.counts / config.batch_size).sum())  # local steps of all clients in a round
         ratio = fed.padded_work_ratio(config.batch_size, config.clients_per_chunk)
-        measured = {}  # name -> (algorithm, default variant, aggregation seconds, roofline seconds)
+        measured = {}  # name -> Measured
 
         def record(result, name, backend, agg_s, roofline_s, default):
             library = backend.startswith(("vmap", ALTERNATED))
@@ -444,7 +454,7 @@ def main(argv):
             traffic = bench_anchors.round_traffic_bytes(param_counts[config.model], 1, steps,
                                                         name if name == "fola" else "fedavg")
             roofline_s = bench_anchors.roofline_seconds(real_samples * flops_per_sample, traffic, peak, bandwidth)
-            measured[name] = (algorithm, default, agg_s, roofline_s)
+            measured[name] = Measured(algorithm, default, agg_s, roofline_s)
             # quick mode: one timed round of the variational and FedReg clients (no target reads them)
             timed_rounds = FLAGS.rounds or config.rounds or (
                 1 if FLAGS.quick and name not in bench_torch.ALGORITHMS else rounds)
@@ -454,13 +464,14 @@ def main(argv):
                     record(measure(backend, algorithm, fed, config, name, model, timed_rounds), name, backend,
                            agg_s, roofline_s, default)
         pair = ("fedavg", "fola")
-        if (config.name in ALTERNATED_CONFIGS and all(n in measured and measured[n][1] for n in pair)
+        if (config.name in ALTERNATED_CONFIGS and all(n in measured and measured[n].default for n in pair)
                 and "vmap" in backends and not any(c == config.name and b.startswith(ALTERNATED) for c, _, b in done)):
             # FOLA / FedAvg's target: their default layouts' rounds in turn, the ratio under one machine load
-            best = time_alternating({n: measured[n][:2] for n in pair}, fed, config,
+            best = time_alternating({n: (measured[n].algorithm, measured[n].default) for n in pair}, fed, config,
                                     max(FLAGS.rounds or rounds, ALTERNATED_ROUNDS), FLAGS.fixed_local_steps)
             for n in pair:
-                record({"round_s": best[n]}, n, f"{ALTERNATED} {measured[n][1]}", *measured[n][2:], None)
+                m = measured[n]
+                record({"round_s": best[n]}, n, f"{ALTERNATED} {m.default}", m.aggregation_s, m.roofline_s, None)
     print("\n" + write_report(machine, peak, bandwidth, data[INPUT_SHAPES["mlp"]].name, rows))
 
 

@@ -617,7 +617,7 @@ def finite_rows(tree, slots: int) -> jax.Array:
     """``[C]`` bool: every floating leaf of ``tree`` (leaves ``[C, ...]``) is finite in row ``c``."""
     # x * 0 is 0 where x is finite and NaN where it is not (inf * 0 too), so a row's sum is 0 exactly when the
     # row is finite and cannot overflow; summed by tree.sums_per_row (matrix-vector products on a CPU, where
-    # all(isfinite(x)) is a slow tree reduction of flags: a FOLA round 4% faster, results/bench/reductions.md)
+    # all(isfinite(x)) is a slow tree reduction of flags: a FOLA round 3% faster, results/bench/reductions.md)
     rows = [sums_per_row(x * 0, slots) == 0 for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
     if not rows:
         return jnp.ones((slots,), bool)
