@@ -135,7 +135,9 @@ def equal_fed(digits):
 @pytest.mark.parametrize("name,k,chunk,pad", [(name, *layout) for name in ("fedavg", "fola")
                                               for layout in ((5, None, 1), (3, 1, 1), (3, 2, 1), (3, 1, 4))]
                          + [("bfl", 3, 2, 1), ("fedreg", 3, 2, 1)])
-def test_fixed_local_steps_give_the_loops_round(name, k, chunk, pad, equal_fed, tiny_model, tiny_params):
+def test_fixed_local_steps_give_the_loops_round(name, k, chunk, pad, equal_fed, tiny_model, tiny_params, monkeypatch):
+    """The fixed-step scan (an accelerator's; forced here on the CPU, which keeps the loop) gives the loop's round."""
+    monkeypatch.setattr(bf.core.layout, "fixed_steps_scan", lambda **_: True)
     algo = {"fedavg": lambda: bf.algorithms.fedavg(tiny_model, lr=0.1, batch_size=16, local_epochs=2),
             "fola": lambda: bf.algorithms.fola(tiny_model, lr=0.1, lam=10.0, batch_size=16),
             "bfl": lambda: bf.algorithms.bfl(tiny_model, equal_fed.input_shape, lr=1e-2, batch_size=16),
@@ -164,6 +166,23 @@ def test_unrolled_local_steps_give_the_scans_round(name, equal_fed, tiny_model, 
                                                                 round_arrays(equal_fed), jax.random.PRNGKey(0),
                                                                 traced_hparams(algo, 1))
         assert f"unroll={unroll}" in str(traced)  # the epoch's scan takes the configured unroll
+
+
+def test_a_cpu_keeps_the_step_loop_unless_steps_are_unrolled(equal_fed, tiny_model, tiny_params):
+    """On a CPU a fixed-step round keeps the per-step while loop and has no cond around a client's training
+    (which would keep XLA from hoisting a client's server-derived work out of the loop over clients)."""
+    scan = bf.core.layout.fixed_steps_scan
+    assert not scan(platform="cpu", unroll=None) and not scan(platform="cpu", unroll=1)
+    assert scan(platform="cpu", unroll=2) and scan(platform="gpu", unroll=None) and scan(platform="tpu", unroll=1)
+    algo = bf.algorithms.fola(tiny_model, lr=0.1, lam=10.0, batch_size=16).replace(evaluate=None)  # no test-set conds
+    for chunk in (1, 2):
+        config = bf.core.with_fixed_local_steps(RoundConfig(5, 3, clients_per_chunk=chunk, evaluate_local=False),
+                                                round_arrays(equal_fed))
+        assert config.fixed_local_steps
+        traced = str(jax.make_jaxpr(make_round_step(algo, config))(init_state(algo, tiny_params, config),
+                                                                   round_arrays(equal_fed), jax.random.PRNGKey(0),
+                                                                   traced_hparams(algo, 1)))
+        assert " cond[" not in traced and "while[" in traced
 
 
 def test_unrolling_is_automatic_only_for_a_short_epoch_of_small_steps_on_an_accelerator():

@@ -155,6 +155,7 @@ class RoundConfig:
         steps under ``lax.scan`` instead of a ``lax.while_loop`` that tests every step (on a GPU a
         host round trip, and under ``vmap`` a select over the local state, per step). Empty
         padding slots still train nothing. ``with_fixed_local_steps`` sets it when the data allow.
+        A CPU keeps the loop when a step runs per iteration (``layout.fixed_steps_scan``).
       unroll_local_steps: with ``fixed_local_steps``, the epoch scan's ``unroll`` (``lax.scan``): how many
         local steps one loop iteration runs. ``None``: ``layout.auto_unroll_local_steps`` decides when the
         round is traced (a whole short epoch of small steps on an accelerator, else 1).
@@ -295,12 +296,15 @@ def local_training(algorithm: Algorithm, ctx: ClientContext, key: jax.Array, ste
     ``lax.scan`` instead, with no per-step test; an empty client (a padding slot) skips its
     epochs under a ``lax.cond`` and keeps its initial local state, as in the loop. Same steps,
     same keys, same result. ``unroll`` is that scan's ``unroll`` (``RoundConfig.unroll_local_steps``;
-    ``None``: ``layout.auto_unroll_local_steps`` for this platform, epoch and step).
+    ``None``: ``layout.auto_unroll_local_steps`` for this platform, epoch and step). A CPU keeps the
+    loop unless the steps are unrolled (``layout.fixed_steps_scan``).
     """
     init_key, perm_key, step_key = jax.random.split(key, 3)  # same derivation in _looped_client
     local = algorithm.client_init(ctx, init_key)
     max_n = ctx.data.y.shape[0]
     batch_size = algorithm.batch_size
+    platform = jax.default_backend()
+    scan_steps = fixed_steps and layout.fixed_steps_scan(platform=platform, unroll=unroll)
 
     def epoch(carry, e):
         taken, local = carry
@@ -311,10 +315,10 @@ def local_training(algorithm: Algorithm, ctx: ClientContext, key: jax.Array, ste
             batch = take_batch(ctx.data, order, j, batch_size)
             return algorithm.client_step(local, batch, ctx, jax.random.fold_in(epoch_key, j))
 
-        if fixed_steps:
+        if scan_steps:
             steps = steps_per_epoch(max_n, batch_size)
             per_iteration = unroll or layout.auto_unroll_local_steps(
-                platform=jax.default_backend(), steps_per_epoch=steps,
+                platform=platform, steps_per_epoch=steps,
                 step_operations=lambda: layout.jaxpr_operations(jax.make_jaxpr(step)(jnp.int32(0), local)))
             local, _ = jax.lax.scan(lambda local, j: (step(j, local), None), local, jnp.arange(steps, dtype=jnp.int32),
                                     unroll=per_iteration)
@@ -332,8 +336,8 @@ def local_training(algorithm: Algorithm, ctx: ClientContext, key: jax.Array, ste
         (_, trained), _ = jax.lax.scan(epoch, (jnp.int32(0), local), jnp.arange(algorithm.local_epochs))
         return trained
 
-    # fixed steps: an empty padding slot trains nothing (skipped outside a vmap, a select under one)
-    trained = jax.lax.cond(ctx.data.count > 0, train, lambda local: local, local) if fixed_steps else train(local)
+    # the scan's fixed steps: an empty padding slot trains nothing (skipped outside a vmap, a select under one)
+    trained = jax.lax.cond(ctx.data.count > 0, train, lambda local: local, local) if scan_steps else train(local)
     return algorithm.client_final(trained, ctx)
 
 

@@ -119,6 +119,18 @@ def auto_unroll_local_steps(*, platform: str, steps_per_epoch: int, step_operati
     return steps_per_epoch if step_operations() <= UNROLL_MAX_STEP_OPERATIONS else 1
 
 
+def fixed_steps_scan(*, platform: str, unroll: int | None) -> bool:
+    """Whether a fixed-step epoch (``RoundConfig.fixed_local_steps``) runs as a ``lax.scan`` of exactly its
+    steps, an empty client skipped by a ``lax.cond``, rather than the ``lax.while_loop`` that tests every step.
+
+    The scan on an accelerator, where the loop's test is a host round trip per step, and wherever steps are
+    unrolled (``unroll`` > 1). The loop on a CPU: its test costs nothing there, while the cond keeps XLA from
+    hoisting what a step computes from the server state alone (FOLA's prior weights ``lam * S / r``) out of
+    the loop over clients: the branch recomputes it, and copies the server arrays it reads, once per client.
+    """
+    return platform != "cpu" or (unroll or 1) > 1
+
+
 def jaxpr_operations(jaxpr) -> int:
     """Equations of a (closed) jaxpr, counting those of the jaxprs nested in its equations' parameters
     (``jit``, ``custom_vjp``, ``cond`` and loop bodies) too."""
