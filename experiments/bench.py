@@ -151,9 +151,8 @@ def configurations(quick: bool) -> list[Config]:
     quick_skip = tuple((a, b) for a in ("bfl", "fedreg") for b in ("vmap", "stepwise")) if quick else ()
     sizes = ((10, 10), (100, 10), (100, 50)) if quick else tuple((k, b) for k in (10, 100, 1000) for b in (10, 50))
     # K = 10 rounds take about 30 ms on a CPU: the fastest of 10 rather than 3, or scheduling noise
-    # decides which layout looks fastest; K = 100 rounds (0.06-0.5 s) the fastest of 5: a quick run
-    # timed FedAvg's default B = 50 layout at 0.106 s in its own row (3 rounds) and 0.062 s in the
-    # alternated one, a minute later (the shared VM's bursts of load)
+    # decides which layout looks fastest; K = 100 rounds (0.06-0.5 s) the fastest of 5, against the
+    # shared VM's bursts of load
     grid = [Config(f"mlp K={k} B={b}", "uniform", k, b, algorithms=ALL_CLIENTS if heavy(k, b) else ("fedavg", "fola"),
                    anchors=k >= 100, cpu_skip=quick_skip, rounds={10: 10, 100: 5}.get(k)) for k, b in sizes]
     # The unchunked skewed splits show what padding every client to the largest costs (about 3x
