@@ -57,7 +57,7 @@ def row_sums(x: jax.Array) -> jax.Array:
     On a CPU a float32 ``x`` is summed as the matrix-vector product ``x @ ones(N)``, which XLA fuses
     with the elementwise producer of ``x``. XLA:CPU compiles a long sum of a weight gradient (a
     transposed layout before layout assignment) or of a flag array as a windowed tree reduction that
-    reads a few GB/s: with the product FOLA's local MLP step is 1.46x faster and a DP-SGD step 4.4x
+    reads a few GB/s: with the product FOLA's local MLP step is 1.5-1.8x faster and a DP-SGD step 4.4-4.8x
     (``python -m experiments.bench_reductions``, ``results/bench/reductions.md``). Elsewhere it is ``jnp.sum``.
     """
     if x.dtype == jnp.float32 and jax.default_backend() == "cpu":

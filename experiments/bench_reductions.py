@@ -12,6 +12,8 @@ sum in the library's form and in the plain ``jnp.sum`` form:
   * clip norm: FOLA's local step (``algorithms.local_sgd``: clipped to global norm 10, the gradient plus
     the prior pull, and the Fisher), its clip norm by ``tree.tree_squared_norm`` or by ``jnp.sum`` (the
     library's function swapped for the plain one while the loop is traced);
+  * Adam's clip norm: FedAvg's local Adam steps (clip norm 10), clipped by ``local_sgd.clip_by_global_norm``
+    (``tree.tree_squared_norm``) or by ``optax.clip_by_global_norm`` (swapped in while the client is built);
   * DP-SGD step: ``privacy.dp.private_gradient`` against the same maths with ``jnp.sum`` for the
     per-example norms and the clipped sum;
   * finite check: a FOLA round (100 clients in turn, B = 50), each client's message checked by
@@ -72,7 +74,8 @@ def loops(model, params, batch):
     import jax
     import jax.numpy as jnp
     from bfedjax.models import apply_fn_of
-    from bfedjax.algorithms import fola, local_sgd
+    import optax
+    from bfedjax.algorithms import fedavg, fola, local_sgd
     from bfedjax.core import ClientContext, ClientData
     from bfedjax.core.simulate import traced_hparams
     from bfedjax.privacy.dp import private_gradient
@@ -93,6 +96,19 @@ def loops(model, params, batch):
                 return jax.lax.fori_loop(0, FLAGS.steps, step, local).params
         return run
 
+    def adam_loop(clip):
+        """FedAvg's local Adam steps (``local_sgd``'s stateful path, clip norm 10), clipped by ``clip``."""
+        with mock.patch.object(local_sgd, "clip_by_global_norm", clip):  # read when the client is built
+            algorithm = fedavg(model, lr=0.001, optimizer="adam")
+        data = ClientData(batch.x, batch.y, jnp.int32(batch.x.shape[0]))
+        ctx = ClientContext(algorithm.server_init(params), (), data, traced_hparams(algorithm, 2))
+
+        def run(params, key):
+            local = algorithm.client_init(ctx, key)
+            step = lambda i, local: algorithm.client_step(local, batch, ctx, jax.random.fold_in(key, i))
+            return jax.lax.fori_loop(0, FLAGS.steps, step, local).params
+        return run
+
     def dp_loop(gradient):
         def step(i, params, key):
             _, grad = gradient(apply_fn, params, batch, jax.random.fold_in(key, i), clip_norm=1.0, noise_multiplier=1.0)
@@ -101,6 +117,8 @@ def loops(model, params, batch):
 
     apply_fn = apply_fn_of(model)
     return {"clip norm (SGD step, FOLA's pull)": (clip_loop(tree_squared_norm), clip_loop(plain_squared_norm)),
+            "clip norm (Adam step, FedAvg; against optax.clip_by_global_norm)": (
+                adam_loop(local_sgd.clip_by_global_norm), adam_loop(optax.clip_by_global_norm)),
             "DP-SGD step": (dp_loop(private_gradient), dp_loop(plain_private_gradient))}
 
 

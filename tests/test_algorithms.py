@@ -143,6 +143,27 @@ def test_clipping_scales_the_gradient_with_the_prior_pull_by_its_norm(small_fed,
                                 rtol=1e-3, atol=1e-6)
 
 
+def test_stateful_optimisers_clip_as_optax_does():
+    """``local_sgd.clip_by_global_norm`` (the momentum / Adam path's clip, summed by ``tree_squared_norm``) gives
+    ``optax.clip_by_global_norm``'s updates above and below the norm, including a weight-gradient-shaped leaf."""
+    from bfedjax.algorithms.local_sgd import clip_by_global_norm, direction_transform
+    key = jax.random.PRNGKey(3)
+    tree = {"kernel": jax.random.normal(key, (64, 32)), "bias": jnp.arange(5.0), "empty": jnp.zeros((0, 3))}
+    norm = float(optax.tree.norm(tree))
+    for clip in (0.5 * norm, 2.0 * norm):
+        got, _ = jax.jit(clip_by_global_norm(clip).update)(tree, optax.EmptyState())
+        want, _ = optax.clip_by_global_norm(clip).update(tree, optax.EmptyState())
+        chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-7)
+    halved, _ = clip_by_global_norm(0.5 * norm).update(tree, optax.EmptyState())
+    np.testing.assert_allclose(float(optax.tree.norm(halved)), 0.5 * norm, rtol=1e-5)
+    # the Adam chain clips first: a gradient scaled 100x gives the same first Adam step as the clipped one
+    tx = direction_transform(1.0, optimizer="adam")
+    big, _ = tx.update(jax.tree.map(lambda x: 100.0 * x, tree), tx.init(tree))
+    clipped, _ = optax.chain(optax.clip_by_global_norm(1.0), optax.scale_by_adam()).update(
+        jax.tree.map(lambda x: 100.0 * x, tree), tx.init(tree))
+    chex.assert_trees_all_close(big, clipped, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("epochs", [1, 3])
 def test_fisher_estimators_at_frozen_weights(small_fed, tiny_model, tiny_params, epochs):
     """lr = 0: batch_mean_sq with B = 1 is the per-sample Fisher (Eq. 21), E-fold over E epochs."""

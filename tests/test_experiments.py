@@ -221,13 +221,14 @@ def test_bench_targets_follow_the_platform():
 
 
 def test_bench_reductions_smoke(tmp_path):
-    """The library's sums against jnp.sum's: three rows with positive times, written where --output says."""
+    """The library's sums against jnp.sum's: four rows with positive times, written where --output says."""
     out_file = tmp_path / "reductions.md"
     _script("experiments.bench_reductions", "--steps=2", "--repeats=1", f"--output={out_file}")
     rows = [line for line in out_file.read_text().splitlines() if line.startswith("| ") and "---" not in line][1:]
     names = [row.split(" | ")[0].lstrip("| ") for row in rows]
-    assert names[:2] == ["clip norm (SGD step, FOLA's pull)", "DP-SGD step"] and len(names) == 3
-    assert names[2].startswith("finite check: FOLA round")
+    assert names[0] == "clip norm (SGD step, FOLA's pull)" and names[1].startswith("clip norm (Adam step")
+    assert names[2] == "DP-SGD step" and len(names) == 4
+    assert names[3].startswith("finite check: FOLA round")
     assert all(float(row.split(" | ")[1]) > 0 and float(row.split(" | ")[2]) > 0 for row in rows)
     assert out_file.read_text().startswith("`python -m experiments.bench_reductions")
 
