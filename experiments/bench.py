@@ -356,6 +356,8 @@ class Measured(NamedTuple):
     default: str | None
     aggregation_s: float
     roofline_s: float
+
+
 INPUT_SHAPES = {"mlp": (28, 28, 1), "fedreg_cnn": (28, 28, 1), "fola_cnn": (32, 32, 3), "resnet20": (32, 32, 3)}
 
 

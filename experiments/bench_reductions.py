@@ -24,6 +24,7 @@ speed-up; on a GPU both forms are ``jnp.sum`` (``row_sums`` keeps the product fo
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from unittest import mock
@@ -81,33 +82,31 @@ def loops(model, params, batch):
     from bfedjax.privacy.dp import private_gradient
     from bfedjax.tree import tree_squared_norm
 
-    def clip_loop(squared_norm):
-        """FOLA's local steps (``local_sgd``: clip norm 10 of the gradient plus the prior pull), its clip norm
-        summed by ``squared_norm``."""
-        algorithm = fola(model, lr=0.01, lam=100.0, precision_diagnostics=False)
-        server = {"params": params, "precision": jax.tree.map(jnp.ones_like, params)}
+    def local_steps(algorithm, server, swap=None):
+        """``(params, key) -> params``: ``--steps`` of ``algorithm``'s local steps on ``batch`` from ``server``
+        (the loop's ``params`` argument is unused); ``swap`` (a ``mock.patch``) is active while it is traced."""
         data = ClientData(batch.x, batch.y, jnp.int32(batch.x.shape[0]))
         ctx = ClientContext(server, (), data, traced_hparams(algorithm, 2))
 
         def run(params, key):
-            with mock.patch.object(local_sgd, "tree_squared_norm", squared_norm):  # read while tracing
+            with swap or contextlib.nullcontext():
                 local = algorithm.client_init(ctx, key)
                 step = lambda i, local: algorithm.client_step(local, batch, ctx, jax.random.fold_in(key, i))
                 return jax.lax.fori_loop(0, FLAGS.steps, step, local).params
         return run
 
+    def clip_loop(squared_norm):
+        """FOLA's local steps (``local_sgd``: clip norm 10 of the gradient plus the prior pull), its clip norm
+        summed by ``squared_norm``."""
+        algorithm = fola(model, lr=0.01, lam=100.0, precision_diagnostics=False)
+        server = {"params": params, "precision": jax.tree.map(jnp.ones_like, params)}
+        return local_steps(algorithm, server, mock.patch.object(local_sgd, "tree_squared_norm", squared_norm))
+
     def adam_loop(clip):
         """FedAvg's local Adam steps (``local_sgd``'s stateful path, clip norm 10), clipped by ``clip``."""
         with mock.patch.object(local_sgd, "clip_by_global_norm", clip):  # read when the client is built
             algorithm = fedavg(model, lr=0.001, optimizer="adam")
-        data = ClientData(batch.x, batch.y, jnp.int32(batch.x.shape[0]))
-        ctx = ClientContext(algorithm.server_init(params), (), data, traced_hparams(algorithm, 2))
-
-        def run(params, key):
-            local = algorithm.client_init(ctx, key)
-            step = lambda i, local: algorithm.client_step(local, batch, ctx, jax.random.fold_in(key, i))
-            return jax.lax.fori_loop(0, FLAGS.steps, step, local).params
-        return run
+        return local_steps(algorithm, algorithm.server_init(params))
 
     def dp_loop(gradient):
         def step(i, params, key):
