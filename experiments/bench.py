@@ -27,6 +27,11 @@ machine only ever adds time) of
   * alternated - at K = 100 (B = 10 and 50), FedAvg's and FOLA's default layouts once more, their
                rounds taken in turn (at least 10 each): FOLA / FedAvg's target reads these, a ratio
                under one machine load (rows timed minutes apart drift by 5-10% on a shared machine),
+  * paired   - FedAvg's and FOLA's default layout and their fastest other library variant once
+               more, their rounds taken in turn (at least 10 each, continuing the rows' compiled
+               rounds): the default / fastest variant target reads these (a layout's rounds can run a
+               third slower for seconds at a time on the 2-core VM, so rows timed one after another
+               can swap which layout looks fastest),
 and marks as ``default`` the library row of the layout ``simulate`` picks by itself
 (``clients_per_chunk="auto"``, ``bfedjax.core.layout``). It reports the round time, client-samples per second, achieved FLOP/s
 (training FLOPs on real samples, from XLA's cost analysis of the model,
@@ -67,7 +72,8 @@ import numpy as np
 from absl import app, flags, logging
 
 from experiments import bench_anchors, bench_torch, errors
-from experiments.bench_report import ALTERNATED, ALTERNATED_CONFIGS, RESNET_COMPILE_CONFIG, check_targets, markdown
+from experiments.bench_report import (ALTERNATED, ALTERNATED_CONFIGS, PAIRED, RESNET_COMPILE_CONFIG, check_targets,
+                                     markdown)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("quick", True, "Quick mode: fewer configurations, and the variational and FedReg clients "
@@ -248,7 +254,7 @@ def training_flops_per_sample(model, input_shape) -> float:
 
 def prepared_round(algorithm, fed, config: Config, backend: str, fixed_local_steps: bool = True,
                    client_devices: int = 1) -> tuple:
-    """``(step, state, arrays, out)``: one library configuration's round step, its donated state and round
+    """``[step, state, arrays, out]``: one library configuration's round step, its donated state and round
     arrays, as ``simulate`` runs it (vmap: compiled ahead of time, ``out`` holding ``"trace_s"``, ``"lower_s"``,
     ``"compile_only_s"`` and ``"memory_mb"``); ``fixed_local_steps`` lets ``with_fixed_local_steps`` decide,
     as ``simulate``; ``client_devices``: the chunks split over this many devices (``RoundConfig.client_devices``)."""
@@ -279,7 +285,7 @@ def prepared_round(algorithm, fed, config: Config, backend: str, fixed_local_ste
         if mem is not None:
             out["memory_mb"] = (mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
                                 - mem.alias_size_in_bytes) / 2**20  # the donated state is held once
-    return step, state, arrays, out
+    return [step, state, arrays, out]
 
 
 def timed_round(algorithm, step, state, arrays, round_index: int) -> tuple:
@@ -297,30 +303,34 @@ def time_library(algorithm, fed, config: Config, backend: str, rounds: int, fixe
                  client_devices: int = 1) -> dict:
     """One library configuration's ``{"compile_s", "round_s" (fastest), "median_round_s", ...}`` over ``rounds``
     timed rounds after a warm-up (``prepared_round``'s arguments and entries)."""
-    step, state, arrays, out = prepared_round(algorithm, fed, config, backend, fixed_local_steps, client_devices)
+    return time_prepared(algorithm, prepared_round(algorithm, fed, config, backend, fixed_local_steps, client_devices),
+                         rounds)
+
+
+def time_prepared(algorithm, prepared: list, rounds: int) -> dict:
+    """``time_library``'s dict for a prepared round (``[step, state, arrays, out]``, from ``prepared_round``), whose
+    state advances in place: the list can go on to ``time_in_turn``."""
     times = []
     for r in range(rounds + 1):
-        seconds, state = timed_round(algorithm, step, state, arrays, r)
+        seconds, prepared[1] = timed_round(algorithm, prepared[0], prepared[1], prepared[2], r)
         times.append(seconds)
+    out = dict(prepared[3])
     out["compile_s"] = times[0] + out.get("compile_only_s", 0.0)  # compile + first (warm-up) round
     out["round_s"] = min(times[1:])
     out["median_round_s"] = float(np.median(times[1:]))
     return out
 
 
-def time_alternating(algorithms: dict, fed, config: Config, rounds: int, fixed_local_steps: bool = True) -> dict:
-    """``{name: fastest round}`` of ``algorithms`` (``{name: (algorithm, library variant)}``), their rounds taken
-    in turn (A, B, A, B, ...) after a warm-up each, so that a ratio of two of them is measured under one machine
-    load: rows timed minutes apart on a shared 2-core machine drift by 5-10%."""
-    prepared = {}
-    for name, (algorithm, variant) in algorithms.items():
-        layout_config, backend, devices = library_layout(variant, fed, config)
-        prepared[name] = list(prepared_round(algorithm, fed, layout_config, backend, fixed_local_steps, devices))
+def time_in_turn(rounds_of: dict, rounds: int) -> dict:
+    """``{name: fastest round}`` of prepared rounds (``rounds_of``: ``{name: (algorithm, [step, state, arrays])}``,
+    e.g. two layouts of one algorithm, or two algorithms' default layouts), their rounds taken in turn (A, B, A,
+    B, ...) after an untimed one each, so that a ratio of two of them is measured under one machine load: rows
+    timed minutes apart on a shared 2-core machine drift by 5-10%, and a layout's rounds can run a third slower
+    for seconds at a time. The states advance in place."""
     best = {}
     for r in range(rounds + 1):
-        for name, (algorithm, _) in algorithms.items():
-            step, state, arrays, _ = prepared[name]
-            seconds, prepared[name][1] = timed_round(algorithm, step, state, arrays, r)
+        for name, (algorithm, prepared) in rounds_of.items():
+            seconds, prepared[1] = timed_round(algorithm, prepared[0], prepared[1], prepared[2], r)
             if r:
                 best[name] = min(best.get(name, seconds), seconds)
     return best
@@ -346,7 +356,7 @@ def time_aggregation(algorithm, fed, rounds: int = 5) -> float:
                for _ in range(rounds))
 
 
-ALTERNATED_ROUNDS = 10  # rounds of each algorithm in an alternated measurement (at least)
+IN_TURN_ROUNDS = 10  # rounds of each side of a measurement in turn (alternated or paired rows; at least)
 
 
 class Measured(NamedTuple):
@@ -429,9 +439,10 @@ def main(argv):
         steps = int(np.ceil(fed.counts / config.batch_size).sum())  # local steps of all clients in a round
         ratio = fed.padded_work_ratio(config.batch_size, config.clients_per_chunk)
         measured = {}  # name -> Measured
+        kept = {}  # name -> {library variant: prepared round}: FedAvg's and FOLA's, for the rows in turn
 
         def record(result, name, backend, agg_s, roofline_s, default):
-            library = backend.startswith(("vmap", ALTERNATED))
+            library = backend.startswith(("vmap", ALTERNATED, PAIRED))
             result.update(config=config.name, algorithm=name, backend=backend, clients=fed.num_clients,
                           batch_size=config.batch_size, padded_work_ratio=ratio if library else 1.0,
                           samples_per_s=real_samples / result["round_s"],
@@ -462,25 +473,41 @@ def main(argv):
             # quick mode: one timed round of the variational and FedReg clients (no target reads them)
             timed_rounds = FLAGS.rounds or (1 if FLAGS.quick and name not in bench_torch.ALGORITHMS
                                             else config.rounds or rounds)
+            kept[name] = {}
             for backend in variants_of(config, name, backends, on_cpu, default, cpu_devices if on_cpu else 1,
                                        one_device):
                 if (config.name, name, backend) not in done:
-                    record(measure(backend, algorithm, fed, config, name, model, timed_rounds), name, backend,
-                           agg_s, roofline_s, default)
+                    record(measure(backend, algorithm, fed, config, name, model, timed_rounds,
+                                   kept[name] if default and name in bench_torch.ALGORITHMS else None),
+                           name, backend, agg_s, roofline_s, default)
+            other = fastest_other_variant(rows, config.name, name, default)
+            if other and {default, other} <= set(kept[name]):  # (not when --resume kept either row)
+                # the default / fastest variant target: the two layouts' rounds in turn, under one machine load
+                best = time_in_turn({v: (algorithm, kept[name][v]) for v in (default, other)},
+                                    max(timed_rounds, IN_TURN_ROUNDS))
+                for v in (default, other):
+                    record({"round_s": best[v]}, name, f"{PAIRED} {v}", agg_s, roofline_s, None)
+            kept[name] = {v: kept[name][v] for v in kept[name] if v == default}  # the alternated rows' below
         pair = ("fedavg", "fola")
         if (config.name in ALTERNATED_CONFIGS and all(n in measured and measured[n].default for n in pair)
                 and "vmap" in backends and not any(c == config.name and b.startswith(ALTERNATED) for c, _, b in done)):
             # FOLA / FedAvg's target: their default layouts' rounds in turn, the ratio under one machine load
-            best = time_alternating({n: (measured[n].algorithm, measured[n].default) for n in pair}, fed, config,
-                                    max(FLAGS.rounds or rounds, ALTERNATED_ROUNDS), FLAGS.fixed_local_steps)
+            rounds_of = {}
+            for n in pair:
+                variant = measured[n].default
+                prepared = kept[n].get(variant) or prepared_variant(measured[n].algorithm, fed, config, variant)
+                rounds_of[n] = (measured[n].algorithm, prepared)
+            best = time_in_turn(rounds_of, max(FLAGS.rounds or rounds, IN_TURN_ROUNDS))
             for n in pair:
                 m = measured[n]
                 record({"round_s": best[n]}, n, f"{ALTERNATED} {m.default}", m.aggregation_s, m.roofline_s, None)
     print("\n" + write_report(machine, peak, bandwidth, data[INPUT_SHAPES["mlp"]].name, rows))
 
 
-def measure(backend: str, algorithm, fed, config: Config, name: str, model, rounds: int) -> dict:
-    """``{"round_s": best round, "compile_s": first round (compile + run), ...}`` of one backend."""
+def measure(backend: str, algorithm, fed, config: Config, name: str, model, rounds: int,
+            kept: dict | None = None) -> dict:
+    """``{"round_s": best round, "compile_s": first round (compile + run), ...}`` of one backend; ``kept``: see
+    ``time_library`` (library variants only)."""
     torch_options = dict(algorithm=name, model=config.model, hidden=(200, 200), batch_size=config.batch_size,
                          rounds=rounds + 1)
     if backend == "torch":
@@ -491,8 +518,10 @@ def measure(backend: str, algorithm, fed, config: Config, name: str, model, roun
         first, best = bench_anchors.centralised_round_seconds(model, fed, config.batch_size, rounds=rounds)
         return {"compile_s": first, "round_s": best}
     else:
-        layout_config, library_backend, devices = library_layout(backend, fed, config)
-        return time_library(algorithm, fed, layout_config, library_backend, rounds, FLAGS.fixed_local_steps, devices)
+        prepared = prepared_variant(algorithm, fed, config, backend)
+        if kept is not None:  # for the rows in turn
+            kept[backend] = prepared
+        return time_prepared(algorithm, prepared, rounds)
     return {"compile_s": times[0], "round_s": min(times[1:])}
 
 
@@ -505,6 +534,20 @@ def library_layout(backend: str, fed, config: Config) -> tuple:
     if backend == "vmap" and config.clients_per_chunk:  # named chunks: split over the devices as simulate would
         return config, backend, default_devices(fed, config.clients_per_chunk)
     return config, backend, 1
+
+
+def prepared_variant(algorithm, fed, config: Config, variant: str) -> list:
+    """``prepared_round`` of a library variant (``vmap``, ``vmap/cN``, ``vmap/cNxD``)."""
+    layout_config, backend, devices = library_layout(variant, fed, config)
+    return prepared_round(algorithm, fed, layout_config, backend, FLAGS.fixed_local_steps, devices)
+
+
+def fastest_other_variant(rows, config_name: str, algorithm: str, default: str | None) -> str | None:
+    """The library variant other than ``default`` with the fastest row of ``config_name`` and ``algorithm`` (None
+    if there is no default or no other variant)."""
+    others = [r for r in rows if r["config"] == config_name and r["algorithm"] == algorithm
+              and r["backend"].startswith("vmap") and r["backend"] != default]
+    return min(others, key=lambda r: r["round_s"])["backend"] if default and others else None
 
 
 def default_variant(algorithm, fed, config: Config, client_devices="auto") -> str:

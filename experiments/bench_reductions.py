@@ -132,15 +132,11 @@ def finite_check_round_ms(fed_images) -> tuple[float, float]:
     fed = bench.federate(fed_images, config)
     algorithm = bench.make_algorithm("fola", get_model("mlp", 10, hidden=(200, 200)), fed, 50)
     devices = bench.default_devices(fed, 1)
-    prepared = [list(bench.prepared_round(algorithm, fed, config, "vmap", True, devices))]
+    library = bench.prepared_round(algorithm, fed, config, "vmap", True, devices)
     with mock.patch.object(engine, "finite_rows", plain_finite_rows):
-        prepared.append(list(bench.prepared_round(algorithm, fed, config, "vmap", True, devices)))
-    best = [float("inf"), float("inf")]
-    for r in range(FLAGS.repeats + 1):
-        for i, (step, state, arrays, _) in enumerate(prepared):
-            seconds, prepared[i][1] = bench.timed_round(algorithm, step, state, arrays, r)
-            best[i] = min(best[i], seconds) if r else best[i]
-    return 1e3 * best[0], 1e3 * best[1]
+        plain = bench.prepared_round(algorithm, fed, config, "vmap", True, devices)
+    best = bench.time_in_turn({"library": (algorithm, library), "plain": (algorithm, plain)}, FLAGS.repeats)
+    return 1e3 * best["library"], 1e3 * best["plain"]
 
 
 def fastest_ms(fn, params, key) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 ALTERNATED = "alternated"  # rows of the default layout timed with another algorithm's rounds in turn
 ALTERNATED_CONFIGS = ("mlp K=100 B=10", "mlp K=100 B=50")  # those of the FOLA / FedAvg target
+PAIRED = "paired"  # rows of an algorithm's default layout and its fastest other variant, their rounds in turn
 
 
 def _find(rows, config, algorithm, backend):
@@ -97,12 +98,11 @@ def check_targets(rows, platform: str = "cpu") -> list[dict]:
             at_goal = config.endswith("B=50")
             add(f"FOLA round / FedAvg round, {config} ({how})", ratio, "<= 1.3x" if at_goal else "reported",
                 ratio <= 1.3 if at_goal else None)
-    gaps = [(d["round_s"] / _find(rows, d["config"], d["algorithm"], "vmap")["round_s"], d)
-            for d in rows if d.get("default")]
+    gaps = [(default_gap(rows, d), d) for d in rows if d.get("default")]
     if gaps:
-        worst, row = max(gaps, key=lambda g: g[0])
+        (worst, how), row = max(gaps, key=lambda g: g[0][0])
         add(f"default layout / fastest library variant, worst row ({row['config']}, {row['algorithm']}, "
-            f"{row['backend']})", worst, "<= 1.1x", worst <= 1.1, on=platform if platform != "cpu" else "cpu")
+            f"{row['backend']}; {how})", worst, "<= 1.1x", worst <= 1.1, on=platform if platform != "cpu" else "cpu")
     shares = [r["aggregation_share"] for r in rows
               if r["aggregation_share"] is not None and r["config"] == "mlp K=100 B=10" and r.get("default")]
     if shares:
@@ -123,6 +123,19 @@ def check_targets(rows, platform: str = "cpu") -> list[dict]:
     return out
 
 
+def default_gap(rows, default_row) -> tuple[float, str]:
+    """``(default layout's round / fastest library variant's, how measured)`` for a default row: from its
+    ``PAIRED`` rows (the default and the fastest other variant, rounds in turn) where the report has them, else
+    from the rows as timed one after another (1.0 when the default is the fastest)."""
+    same = [r for r in rows if r["config"] == default_row["config"] and r["algorithm"] == default_row["algorithm"]]
+    paired = {r["backend"][len(PAIRED) + 1:]: r["round_s"] for r in same if r["backend"].startswith(PAIRED + " ")}
+    own = paired.pop(default_row["backend"], None)
+    if own is not None and paired:
+        return own / min(paired.values()), "rounds in turn"
+    fastest = min(r["round_s"] for r in same if r["backend"].startswith("vmap"))
+    return default_row["round_s"] / fastest, "rows timed in sequence"
+
+
 def markdown(report) -> str:
     m = report["machine"]
     bandwidth = report.get("memory_gb_per_s")
@@ -134,8 +147,10 @@ def markdown(report) -> str:
              + f"; library compute dtype {m.get('compute_dtype', 'float32')}"
              + f"; bfl gradient estimator {m.get('bfl_gradient_estimator', 'flipout')}.", "",
              "`default`: the layout `simulate` picks by itself (`clients_per_chunk=\"auto\"`, "
-             "`client_devices=\"auto\"`); `vmap/cNxD`: chunks of N split over D devices. Compile: the first "
-             "round (compilation + one round).", "",
+             "`client_devices=\"auto\"`); `vmap/cNxD`: chunks of N split over D devices; `paired`: an algorithm's "
+             "default layout and its fastest other variant once more, their rounds in turn (the default / fastest "
+             "target reads these); `alternated`: FedAvg's and FOLA's default layouts, their rounds in turn (FOLA / "
+             "FedAvg's target). Compile: the first round (compilation + one round).", "",
              "| configuration | algorithm | backend | round (s) | compile (s) | samples/s | GFLOP/s | % of peak | "
              "% of roofline | memory (MB) | aggregation share | padded work |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
