@@ -51,6 +51,24 @@ def sums_per_row(x: jax.Array, rows: int) -> jax.Array:
     return jnp.sum(row_sums(x.reshape(-1, x.shape[-1])).reshape(rows, -1), axis=1)
 
 
+def zero_products_per_row(x: jax.Array, rows: int) -> jax.Array:
+    """``[rows]``: 0 where row ``r`` of ``x [rows, ...]`` is finite, NaN where it holds a NaN or an infinity.
+
+    The row's sum of ``x * 0``, which cannot overflow (``inf * 0`` and ``nan * 0`` are NaN). On a CPU a float32
+    ``x`` is multiplied by a vector of zeros (``x [R, N] @ zeros(N)``, kept opaque to XLA's simplifier by an
+    optimisation barrier), which reads ``x`` once; ``sums_per_row(x * 0)`` wrote ``x * 0`` out first, since XLA:CPU
+    does not fuse that product into the matrix-vector product here (a FOLA round of 100 MLP clients in turn
+    4% faster, ``experiments.bench_reductions``).
+    """
+    if x.size == 0:
+        return jnp.zeros((rows,), x.dtype)
+    if x.ndim == 1 or x.dtype != jnp.float32 or jax.default_backend() != "cpu":
+        return sums_per_row(x * 0, rows)
+    flat = x.reshape(-1, x.shape[-1])
+    zeros = jax.lax.optimization_barrier(jnp.zeros((flat.shape[1],), x.dtype))
+    return jnp.sum((flat @ zeros).reshape(rows, -1), axis=1)
+
+
 def row_sums(x: jax.Array) -> jax.Array:
     """``x.sum(axis=1)`` of ``x [R, N]``, as ``[R]``.
 
@@ -85,4 +103,5 @@ def tree_stack(trees: list) -> PyTree:
     return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
 
-__all__ = ["leaf_dot", "row_sums", "sums_per_row", "tree_dot", "tree_squared_norm", "tree_stack", "tree_sub", "tree_zeros_like", "weighted_sum"]
+__all__ = ["leaf_dot", "row_sums", "sums_per_row", "tree_dot", "tree_squared_norm", "tree_stack", "tree_sub", "tree_zeros_like", "weighted_sum",
+           "zero_products_per_row"]

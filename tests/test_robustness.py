@@ -38,7 +38,7 @@ def _round(algo, fed, params, backend="vmap", chunk=None, client_weights=None, o
 
 
 def test_finite_rows_flags_nan_and_both_infinities_in_any_leaf_without_overflow():
-    """engine.finite_rows sums x * 0 per row (a matrix-vector product on a CPU): NaN, +inf and -inf anywhere
+    """engine.finite_rows sums x * 0 per row (x times a zero vector on a CPU): NaN, +inf and -inf anywhere
     flag their row; values near float32's maximum, integer, bfloat16 and empty leaves do not break it."""
     from bfedjax.core.engine import finite_rows
     k = np.full((5, 6, 7, 8), 3e38, np.float32)  # a plain sum of a row would overflow to inf
@@ -51,6 +51,19 @@ def test_finite_rows_flags_nan_and_both_infinities_in_any_leaf_without_overflow(
     np.testing.assert_array_equal(jax.jit(finite_rows, static_argnums=1)(tree, 5), expected)
     tree["h"] = tree["h"].at[0, 1, 2].set(jnp.inf)
     np.testing.assert_array_equal(finite_rows(tree, 5), [False] * 5)
+
+
+def test_a_cpu_reads_a_checked_array_once():
+    """On a CPU the float32 check is ``x @ zeros`` with the zeros behind an optimisation barrier: no ``x * 0``
+    written out first (a multiply in the compiled check), and no zero vector folded away (a folded product
+    would report every row finite)."""
+    from bfedjax.tree import zero_products_per_row
+    check = jax.jit(zero_products_per_row, static_argnums=1)
+    x = jnp.ones((4, 64, 32), jnp.float32).at[2, 5, 7].set(jnp.inf)
+    np.testing.assert_array_equal(np.isnan(check(x, 4)), [False, False, True, False])
+    if jax.default_backend() == "cpu":
+        hlo = check.lower(x, 4).compile().as_text()
+        assert " dot(" in hlo and " multiply(" not in hlo
 
 
 @pytest.mark.parametrize("name,backend,chunk", [("fedavg", "vmap", None), ("fola", "vmap", 2),

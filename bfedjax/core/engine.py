@@ -75,7 +75,7 @@ from bfedjax.core import layout
 from bfedjax.core.attacks import Attack, attacked_messages
 from bfedjax.core.batching import batch_is_real, epoch_permutation, steps_per_epoch, take_batch
 from bfedjax.core.types import COHORT_WEIGHT, Algorithm, ClientContext, ClientData
-from bfedjax.tree import sums_per_row, tree_stack, weighted_sum
+from bfedjax.tree import tree_stack, weighted_sum, zero_products_per_row
 
 BACKENDS = ("vmap", "sequential", "stepwise", "debug")
 SERVER_KEY_STREAM = 0x5E5E  # the server's key is fold_in(round key, this): sampling and client keys stay as they were
@@ -620,9 +620,9 @@ def _kept_if_nobody_counts(new_server, old_server, weights, mask):
 def finite_rows(tree, slots: int) -> jax.Array:
     """``[C]`` bool: every floating leaf of ``tree`` (leaves ``[C, ...]``) is finite in row ``c``."""
     # x * 0 is 0 where x is finite and NaN where it is not (inf * 0 too), so a row's sum is 0 exactly when the
-    # row is finite and cannot overflow; summed by tree.sums_per_row (matrix-vector products on a CPU, where
-    # all(isfinite(x)) is a slow tree reduction of flags: a FOLA round 3% faster, results/bench/reductions.md)
-    rows = [sums_per_row(x * 0, slots) == 0 for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    # row is finite and cannot overflow; tree.zero_products_per_row reads x once (a matrix-vector product on a
+    # CPU, where all(isfinite(x)) is a slow tree reduction of flags: results/bench/reductions.md)
+    rows = [zero_products_per_row(x, slots) == 0 for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
     if not rows:
         return jnp.ones((slots,), bool)
     # One count over the stacked [C, L] flags. Chained per-leaf ``&`` (or ``all`` over the stack, which XLA
