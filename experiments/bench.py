@@ -253,7 +253,7 @@ def training_flops_per_sample(model, input_shape) -> float:
 
 
 def prepared_round(algorithm, fed, config: Config, backend: str, fixed_local_steps: bool = True,
-                   client_devices: int = 1) -> tuple:
+                   client_devices: int = 1) -> list:
     """``[step, state, arrays, out]``: one library configuration's round step, its donated state and round
     arrays, as ``simulate`` runs it (vmap: compiled ahead of time, ``out`` holding ``"trace_s"``, ``"lower_s"``,
     ``"compile_only_s"`` and ``"memory_mb"``); ``fixed_local_steps`` lets ``with_fixed_local_steps`` decide,
