@@ -56,10 +56,12 @@ def zero_products_per_row(x: jax.Array, rows: int) -> jax.Array:
 
     The row's sum of ``x * 0``, which cannot overflow (``inf * 0`` and ``nan * 0`` are NaN). On a CPU a float32
     ``x`` is multiplied by a vector of zeros (``x [R, N] @ zeros(N)``, kept opaque to XLA's simplifier by an
-    optimisation barrier), which reads ``x`` once; ``sums_per_row(x * 0)`` wrote ``x * 0`` out first, since XLA:CPU
-    does not fuse that product into the matrix-vector product here (a FOLA round of 100 MLP clients in turn
-    4% faster, ``experiments.bench_reductions``).
+    optimisation barrier), which reads ``x`` once: ``sums_per_row(x * 0)`` wrote ``x * 0`` out first when ``x``
+    came from a loop (a client's message), XLA:CPU not fusing that product into the matrix-vector product
+    (``experiments.bench_reductions``: FOLA's round with this check 1.02x the one with ``jnp.isfinite``).
     """
+    if x.shape[:1] != (rows,):
+        raise ValueError(f"zero_products_per_row: x has leading axis {x.shape[:1]}, expected ({rows},)")
     if x.size == 0:
         return jnp.zeros((rows,), x.dtype)
     if x.ndim == 1 or x.dtype != jnp.float32 or jax.default_backend() != "cpu":
@@ -72,10 +74,10 @@ def zero_products_per_row(x: jax.Array, rows: int) -> jax.Array:
 def row_sums(x: jax.Array) -> jax.Array:
     """``x.sum(axis=1)`` of ``x [R, N]``, as ``[R]``.
 
-    On a CPU a float32 ``x`` is summed as the matrix-vector product ``x @ ones(N)``, which XLA fuses
-    with the elementwise producer of ``x``. XLA:CPU compiles a long sum of a weight gradient (a
-    transposed layout before layout assignment) or of a flag array as a windowed tree reduction that
-    reads a few GB/s: with the product FOLA's local MLP step is 1.5-1.8x faster and a DP-SGD step 4.4-4.8x
+    On a CPU a float32 ``x`` is summed as the matrix-vector product ``x @ ones(N)``, which XLA usually fuses
+    with the elementwise producer of ``x`` (not always: ``zero_products_per_row``). XLA:CPU compiles a long
+    sum of a weight gradient (a transposed layout before layout assignment) or of a flag array as a windowed
+    tree reduction that reads a few GB/s: with the product FOLA's local MLP step is 1.5-1.8x faster and a DP-SGD step 4.4-4.8x
     (``python -m experiments.bench_reductions``, ``results/bench/reductions.md``). Elsewhere it is ``jnp.sum``.
     """
     if x.dtype == jnp.float32 and jax.default_backend() == "cpu":

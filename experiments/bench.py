@@ -322,7 +322,7 @@ def time_prepared(algorithm, prepared: list, rounds: int) -> dict:
 
 
 def time_in_turn(rounds_of: dict, rounds: int) -> dict:
-    """``{name: fastest round}`` of prepared rounds (``rounds_of``: ``{name: (algorithm, [step, state, arrays])}``,
+    """``{name: fastest round}`` of prepared rounds (``rounds_of``: ``{name: (algorithm, prepared_round's list)}``,
     e.g. two layouts of one algorithm, or two algorithms' default layouts), their rounds taken in turn (A, B, A,
     B, ...) after an untimed one each, so that a ratio of two of them is measured under one machine load: rows
     timed minutes apart on a shared 2-core machine drift by 5-10%, and a layout's rounds can run a third slower
@@ -409,7 +409,6 @@ def main(argv):
                **library_settings()}
     if on_cpu:  # the default layout's chunks depend on it (core.layout)
         machine["last_level_cache_mib"] = bf.core.layout.last_level_cache_bytes() / 2**20
-        machine["cpu_devices"] = cpu_devices
     data = {shape: load_images(shape) for shape in {INPUT_SHAPES["mlp"]}}
     print(f"machine: {machine}; matmul peak {peak / 1e9:.1f} GFLOP/s; memory bandwidth {bandwidth / 1e9:.1f} GB/s; "
           f"data: {data[INPUT_SHAPES['mlp']].name}", flush=True)
@@ -473,21 +472,25 @@ def main(argv):
             # quick mode: one timed round of the variational and FedReg clients (no target reads them)
             timed_rounds = FLAGS.rounds or (1 if FLAGS.quick and name not in bench_torch.ALGORITHMS
                                             else config.rounds or rounds)
-            kept[name] = {}
+            kept[name] = {}  # only the default and the fastest other variant so far stay compiled
             for backend in variants_of(config, name, backends, on_cpu, default, cpu_devices if on_cpu else 1,
                                        one_device):
                 if (config.name, name, backend) not in done:
                     record(measure(backend, algorithm, fed, config, name, model, timed_rounds,
                                    kept[name] if default and name in bench_torch.ALGORITHMS else None),
                            name, backend, agg_s, roofline_s, default)
+                    other = fastest_other_variant(rows, config.name, name, default)
+                    kept[name] = {v: p for v, p in kept[name].items() if v in (default, other)}
             other = fastest_other_variant(rows, config.name, name, default)
-            if other and {default, other} <= set(kept[name]):  # (not when --resume kept either row)
+            if (other and name in bench_torch.ALGORITHMS
+                    and not any(c == config.name and a == name and b.startswith(PAIRED) for c, a, b in done)):
                 # the default / fastest variant target: the two layouts' rounds in turn, under one machine load
-                best = time_in_turn({v: (algorithm, kept[name][v]) for v in (default, other)},
-                                    max(timed_rounds, IN_TURN_ROUNDS))
+                # (a resumed run compiles the rounds its rows did not keep)
+                best = time_in_turn({v: (algorithm, kept[name].get(v) or prepared_variant(algorithm, fed, config, v))
+                                     for v in (default, other)}, max(timed_rounds, IN_TURN_ROUNDS))
                 for v in (default, other):
                     record({"round_s": best[v]}, name, f"{PAIRED} {v}", agg_s, roofline_s, None)
-            kept[name] = {v: kept[name][v] for v in kept[name] if v == default}  # the alternated rows' below
+            kept[name] = {v: p for v, p in kept[name].items() if v == default}  # the alternated rows' below
         pair = ("fedavg", "fola")
         if (config.name in ALTERNATED_CONFIGS and all(n in measured and measured[n].default for n in pair)
                 and "vmap" in backends and not any(c == config.name and b.startswith(ALTERNATED) for c, _, b in done)):
@@ -506,8 +509,9 @@ def main(argv):
 
 def measure(backend: str, algorithm, fed, config: Config, name: str, model, rounds: int,
             kept: dict | None = None) -> dict:
-    """``{"round_s": best round, "compile_s": first round (compile + run), ...}`` of one backend; ``kept``: see
-    ``time_library`` (library variants only)."""
+    """``{"round_s": best round, "compile_s": first round (compile + run), ...}`` of one backend; ``kept``: a dict
+    that receives a library variant's (``vmap``, ``vmap/cN``, ``vmap/cNxD``) prepared round under its name, its
+    state as the timed rounds left it, for ``time_in_turn``."""
     torch_options = dict(algorithm=name, model=config.model, hidden=(200, 200), batch_size=config.batch_size,
                          rounds=rounds + 1)
     if backend == "torch":
@@ -519,7 +523,7 @@ def measure(backend: str, algorithm, fed, config: Config, name: str, model, roun
         return {"compile_s": first, "round_s": best}
     else:
         prepared = prepared_variant(algorithm, fed, config, backend)
-        if kept is not None:  # for the rows in turn
+        if kept is not None and backend.startswith("vmap"):  # for the rows in turn
             kept[backend] = prepared
         return time_prepared(algorithm, prepared, rounds)
     return {"compile_s": times[0], "round_s": min(times[1:])}
@@ -599,7 +603,8 @@ def library_settings() -> dict:
     import jax
     import bfedjax as bf
     platform = jax.devices()[0].platform
-    return {"compute_dtype": FLAGS.compute_dtype, "bfl_gradient_estimator": FLAGS.bfl_gradient_estimator,
+    cpu = {"cpu_devices": len(jax.devices())} if platform == "cpu" else {}  # the default layouts depend on it
+    return {**cpu, "compute_dtype": FLAGS.compute_dtype, "bfl_gradient_estimator": FLAGS.bfl_gradient_estimator,
             "fixed_local_steps": FLAGS.fixed_local_steps,
             "matmul_conv_max_mib": bf.models.conv.MATMUL_CONV_MAX_BYTES.get(platform, 0) / 2**20,
             "matmul_kernel_grad_max_mib": bf.models.conv.MATMUL_KERNEL_GRAD_MAX_BYTES.get(platform, 0) / 2**20,
