@@ -66,9 +66,8 @@ def zero_products_per_row(x: jax.Array, rows: int) -> jax.Array:
         return jnp.zeros((rows,), x.dtype)
     if x.ndim == 1 or x.dtype != jnp.float32 or jax.default_backend() != "cpu":
         return sums_per_row(x * 0, rows)
-    flat = x.reshape(-1, x.shape[-1])
-    zeros = jax.lax.optimization_barrier(jnp.zeros((flat.shape[1],), x.dtype))
-    return jnp.sum((flat @ zeros).reshape(rows, -1), axis=1)
+    zeros = jax.lax.optimization_barrier(jnp.zeros((x.shape[-1],), x.dtype))
+    return sums_per_row((x.reshape(-1, x.shape[-1]) @ zeros).reshape(rows, -1), rows)
 
 
 def row_sums(x: jax.Array) -> jax.Array:

@@ -440,6 +440,10 @@ def main(argv):
         measured = {}  # name -> Measured
         kept = {}  # name -> {library variant: prepared round}: FedAvg's and FOLA's, for the rows in turn
 
+        def compiled(name, algorithm, variant):
+            """The kept prepared round of ``variant``, or a new one (a resumed run did not keep it)."""
+            return kept[name].get(variant) or prepared_variant(algorithm, fed, config, variant)
+
         def record(result, name, backend, agg_s, roofline_s, default):
             library = backend.startswith(("vmap", ALTERNATED, PAIRED))
             result.update(config=config.name, algorithm=name, backend=backend, clients=fed.num_clients,
@@ -485,9 +489,8 @@ def main(argv):
             if (other and name in bench_torch.ALGORITHMS
                     and not any(c == config.name and a == name and b.startswith(PAIRED) for c, a, b in done)):
                 # the default / fastest variant target: the two layouts' rounds in turn, under one machine load
-                # (a resumed run compiles the rounds its rows did not keep)
-                best = time_in_turn({v: (algorithm, kept[name].get(v) or prepared_variant(algorithm, fed, config, v))
-                                     for v in (default, other)}, max(timed_rounds, IN_TURN_ROUNDS))
+                best = time_in_turn({v: (algorithm, compiled(name, algorithm, v)) for v in (default, other)},
+                                    max(timed_rounds, IN_TURN_ROUNDS))
                 for v in (default, other):
                     record({"round_s": best[v]}, name, f"{PAIRED} {v}", agg_s, roofline_s, None)
             kept[name] = {v: p for v, p in kept[name].items() if v == default}  # the alternated rows' below
@@ -495,11 +498,8 @@ def main(argv):
         if (config.name in ALTERNATED_CONFIGS and all(n in measured and measured[n].default for n in pair)
                 and "vmap" in backends and not any(c == config.name and b.startswith(ALTERNATED) for c, _, b in done)):
             # FOLA / FedAvg's target: their default layouts' rounds in turn, the ratio under one machine load
-            rounds_of = {}
-            for n in pair:
-                variant = measured[n].default
-                prepared = kept[n].get(variant) or prepared_variant(measured[n].algorithm, fed, config, variant)
-                rounds_of[n] = (measured[n].algorithm, prepared)
+            rounds_of = {n: (measured[n].algorithm, compiled(n, measured[n].algorithm, measured[n].default))
+                         for n in pair}
             best = time_in_turn(rounds_of, max(FLAGS.rounds or rounds, IN_TURN_ROUNDS))
             for n in pair:
                 m = measured[n]
