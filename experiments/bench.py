@@ -111,6 +111,9 @@ flags.DEFINE_float("matmul_alone_conv_max_mib", None, "On this platform, the lar
                    "trained convolution runs as a matrix product when no vmap batches it, a client trained alone "
                    "(bfedjax.models.conv.ALONE_MATMUL_CONV_MAX_BYTES; 0: XLA's convolutions there); default: the "
                    "library's. Give other values their own --output_dir.")
+flags.DEFINE_bool("gpu_threefry_kernel", True, "On a GPU, lower the library's rounds with JAX's threefry kernel "
+                  "(core.layout.GPU_THREEFRY_KERNEL, simulate's default); --nogpu_threefry_kernel: the threefry "
+                  "hash written out in XLA operations, JAX's default.")
 flags.DEFINE_bool("winograd", True, "Let a client trained alone take Winograd convolutions where the platform lists "
                   "them (bfedjax.models.conv.WINOGRAD_TILES; --nowinograd: XLA's convolutions there). Give "
                   "--nowinograd runs their own --output_dir.")
@@ -259,7 +262,7 @@ def prepared_round(algorithm, fed, config: Config, backend: str, fixed_local_ste
     ``"compile_only_s"`` and ``"memory_mb"``); ``fixed_local_steps`` lets ``with_fixed_local_steps`` decide,
     as ``simulate``; ``client_devices``: the chunks split over this many devices (``RoundConfig.client_devices``)."""
     import jax
-    from bfedjax.core import (RoundConfig, init_state, make_round_step, replicated_on, with_fixed_local_steps,
+    from bfedjax.core import (RoundConfig, init_state, layout, make_round_step, replicated_on, with_fixed_local_steps,
                               with_own_buffers)
     from bfedjax.core.simulate import round_arrays, traced_hparams
     arrays = round_arrays(fed)
@@ -275,11 +278,12 @@ def prepared_round(algorithm, fed, config: Config, backend: str, fixed_local_ste
     out = {}
     if backend == "vmap":  # compile once, ahead of time: the executable gives the memory analysis and runs
         start = time.perf_counter()
-        traced = step.trace(state, arrays, jax.random.PRNGKey(0), traced_hparams(algorithm, 1))
-        out["trace_s"] = time.perf_counter() - start
-        lowered = traced.lower()
-        out["lower_s"] = time.perf_counter() - start - out["trace_s"]
-        step = lowered.compile()
+        with layout.random_bits_lowering():  # as simulate lowers its rounds
+            traced = step.trace(state, arrays, jax.random.PRNGKey(0), traced_hparams(algorithm, 1))
+            out["trace_s"] = time.perf_counter() - start
+            lowered = traced.lower()
+            out["lower_s"] = time.perf_counter() - start - out["trace_s"]
+            step = lowered.compile()
         out["compile_only_s"] = time.perf_counter() - start  # tracing, lowering and XLA's compilation
         mem = step.memory_analysis()
         if mem is not None:
@@ -291,10 +295,12 @@ def prepared_round(algorithm, fed, config: Config, backend: str, fixed_local_ste
 def timed_round(algorithm, step, state, arrays, round_index: int) -> tuple:
     """``(seconds, new state)`` of round ``round_index`` (0-based), run to completion."""
     import jax
+    from bfedjax.core import layout
     from bfedjax.core.simulate import traced_hparams
     hp = traced_hparams(algorithm, round_index + 1)
     start = time.perf_counter()
-    state, metrics = step(state, arrays, jax.random.PRNGKey(round_index), hp)
+    with layout.random_bits_lowering():  # as simulate runs its rounds (the loop backends compile on first calls)
+        state, metrics = step(state, arrays, jax.random.PRNGKey(round_index), hp)
     jax.block_until_ready((state, metrics))
     return time.perf_counter() - start, state
 
@@ -397,6 +403,7 @@ def main(argv):
         limits[jax.default_backend()] = int(FLAGS.matmul_alone_conv_max_mib * 2**20)
     if not FLAGS.winograd:
         bf.models.conv.WINOGRAD_TILES.pop(jax.default_backend(), None)
+    bf.core.layout.GPU_THREEFRY_KERNEL = FLAGS.gpu_threefry_kernel
     rounds = FLAGS.rounds or 3
     rows, peak, bandwidth = (previous_rows(os.path.join(FLAGS.output_dir, "bench.json")) if FLAGS.resume
                              else ([], None, None))
@@ -604,7 +611,8 @@ def library_settings() -> dict:
     import bfedjax as bf
     platform = jax.devices()[0].platform
     cpu = {"cpu_devices": len(jax.devices())} if platform == "cpu" else {}  # the default layouts depend on it
-    return {**cpu, "compute_dtype": FLAGS.compute_dtype, "bfl_gradient_estimator": FLAGS.bfl_gradient_estimator,
+    gpu = {"gpu_threefry_kernel": bf.core.layout.GPU_THREEFRY_KERNEL} if platform == "gpu" else {}
+    return {**cpu, **gpu, "compute_dtype": FLAGS.compute_dtype, "bfl_gradient_estimator": FLAGS.bfl_gradient_estimator,
             "fixed_local_steps": FLAGS.fixed_local_steps,
             "matmul_conv_max_mib": bf.models.conv.MATMUL_CONV_MAX_BYTES.get(platform, 0) / 2**20,
             "matmul_kernel_grad_max_mib": bf.models.conv.MATMUL_KERNEL_GRAD_MAX_BYTES.get(platform, 0) / 2**20,

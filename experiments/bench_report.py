@@ -145,7 +145,9 @@ def markdown(report) -> str:
              f"measured matmul peak {report['matmul_peak_gflops']:.1f} GFLOP/s"
              + (f", memory bandwidth {bandwidth:.1f} GB/s" if bandwidth else "") + f"; data {report['data']}"
              + f"; library compute dtype {m.get('compute_dtype', 'float32')}"
-             + f"; bfl gradient estimator {m.get('bfl_gradient_estimator', 'flipout')}.", "",
+             + f"; bfl gradient estimator {m.get('bfl_gradient_estimator', 'flipout')}"
+             + ("" if "gpu_threefry_kernel" not in m else
+                f"; random bits {'from' if m['gpu_threefry_kernel'] else 'without'} JAX's threefry GPU kernel") + ".", "",
              "`default`: the layout `simulate` picks by itself (`clients_per_chunk=\"auto\"`, "
              "`client_devices=\"auto\"`); `vmap/cNxD`: chunks of N split over D devices; `paired`: an algorithm's "
              "default layout and its fastest other variant once more, their rounds in turn (the default / fastest "

@@ -241,6 +241,11 @@ def test_bench_targets_follow_the_platform():
                            "matmul_peak_gflops": 1.0, "memory_gb_per_s": 2.0, "data": "d", "rows": rows,
                            "targets": list(on_gpu.values())})
     assert "| n/a |" in text and "| mlp K=100 B=10 | fedavg | vmap/c2 (default) |" in text
+    assert "threefry" not in text  # a report from before the setting was recorded
+    for kernel, words in ((True, "random bits from JAX's threefry GPU kernel"), (False, "without JAX's threefry")):
+        machine = {"platform": "gpu", "device": "x", "cpu_count": 1, "jax": "0", "gpu_threefry_kernel": kernel}
+        assert words in bench.markdown({"machine": machine, "matmul_peak_gflops": 1.0, "data": "d", "rows": rows,
+                                        "targets": []})
 
 
 def test_bench_reductions_smoke(tmp_path):

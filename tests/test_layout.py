@@ -114,6 +114,29 @@ def test_simulate_reports_the_auto_layout_and_it_changes_only_rounding(digits_fe
         run("fast")
 
 
+def test_rounds_lower_random_bits_with_the_threefry_kernel_on_a_gpu(digits_fed, monkeypatch):
+    """On a GPU (``jax.default_backend`` patched) the context turns on JAX's threefry-kernel setting and restores it;
+    off a GPU, or with ``GPU_THREEFRY_KERNEL`` False, it leaves it alone; ``simulate`` runs every round in it."""
+    setting = lambda: jax.config.jax_threefry_gpu_kernel_lowering
+    assert setting() is False
+    with layout.random_bits_lowering():
+        assert setting() is False  # this CPU
+    monkeypatch.setattr(layout.jax, "default_backend", lambda: "gpu")
+    with layout.random_bits_lowering():
+        assert setting() is True
+    assert setting() is False
+    monkeypatch.setattr(layout, "GPU_THREEFRY_KERNEL", False)
+    with layout.random_bits_lowering():
+        assert setting() is False
+    monkeypatch.undo()
+    entered = []
+    real = layout.random_bits_lowering
+    monkeypatch.setattr(layout, "random_bits_lowering", lambda: (entered.append(1), real())[1])
+    mlp = bf.algorithms.build("fedavg", bf.models.get_model("mlp", 10, hidden=(8,)), digits_fed, batch_size=16)
+    bf.simulate(mlp, digits_fed, rounds=2, key=jax.random.PRNGKey(0))
+    assert len(entered) == 2
+
+
 def test_cache_size_is_read_from_the_os():
     size = layout.last_level_cache_bytes()
     assert isinstance(size, int) and size >= 2**15

@@ -246,7 +246,8 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
     for r in range(len(history) + 1, rounds + 1):
         start = time.perf_counter()
         hparams = traced_hparams(algorithm, r, hparams_fn(r) if hparams_fn else None)
-        state, metrics = round_step(state, arrays, round_key(key, r), hparams)
+        with layout.random_bits_lowering():  # the first round compiles the step
+            state, metrics = round_step(state, arrays, round_key(key, r), hparams)
         record = {"round": r, **{k: float(v) for k, v in metrics.items()}}
         record["seconds"] = time.perf_counter() - start
         first_bad = record.pop("first_nonfinite_client", -1)
