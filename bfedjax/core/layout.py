@@ -75,8 +75,9 @@ DEFAULT_CACHE_BYTES = 8 * 2**20
 # GPU: lower random bits with JAX's threefry kernel (``jax_threefry_gpu_kernel_lowering``: one kernel per draw)
 # rather than the threefry hash written out in XLA operations, thousands of them per local step of a
 # variational client (NumPyro splits a key at every sample site), which XLA's fusion passes and its kernel
-# compiler then work through. The same bits either way. NVIDIA H100, the variational ResNet-20 round (10
-# clients, B = 32, Flipout): compile 45.5 -> 21.4 s, round 66 -> 69 ms (results/bench/gpu_h100_session14).
+# compiler then work through. JAX computes the same threefry function either way. NVIDIA H100, the
+# variational ResNet-20 round (10 clients, B = 32, Flipout): compile 45.5 -> 21.4 s, round 66 -> 69 ms
+# (results/bench/gpu_h100_session14, with JAX_THREEFRY_GPU_KERNEL_LOWERING=1).
 GPU_THREEFRY_KERNEL = True
 # Accelerators: a fixed-step epoch of at most UNROLL_MAX_STEPS steps runs unrolled when one local step
 # traces to at most UNROLL_MAX_STEP_OPERATIONS jaxpr equations (``jaxpr_operations``), i.e. its steps

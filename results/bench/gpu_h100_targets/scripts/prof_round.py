@@ -12,7 +12,7 @@ for spec in sys.argv[1:]:
     bf.models.conv.MATMUL_CONV_MAX_BYTES["gpu"] = int(mib * 2**20)
     fed = federation(k, SHAPES[mname])
     model = bf.models.get_model(mname, 10, hidden=(200, 200), compute_dtype=dtype)
-    algo = bf.algorithms.build(name, model, fed, batch_size=10, **({} if name == "bfl" else {"lr": 0.01})).replace(evaluate=None)
+    algo = bf.algorithms.build(name, model, fed, batch_size=10, **({} if name == "bfl" else {"lr": 0.01, **({"clip_norm": None} if os.environ.get("NOCLIP") else {}), **({"factored_clip_norm": os.environ["FCN"] == "1"} if os.environ.get("FCN") and name == "fedavg" else {})})).replace(evaluate=None)
     arrays = round_arrays(fed)
     cfg = with_fixed_local_steps(RoundConfig(k, k, evaluate_local=False, unroll_local_steps=int(os.environ['UNROLL']) if os.environ.get('UNROLL') else None), arrays)
     params = algo.init_params(jax.random.PRNGKey(0), fed.input_shape)
