@@ -112,8 +112,9 @@ flags.DEFINE_float("matmul_alone_conv_max_mib", None, "On this platform, the lar
                    "(bfedjax.models.conv.ALONE_MATMUL_CONV_MAX_BYTES; 0: XLA's convolutions there); default: the "
                    "library's. Give other values their own --output_dir.")
 flags.DEFINE_bool("gpu_threefry_kernel", True, "On a GPU, lower the library's rounds with JAX's threefry kernel "
-                  "(core.layout.GPU_THREEFRY_KERNEL, simulate's default); --nogpu_threefry_kernel: the threefry "
-                  "hash written out in XLA operations, JAX's default.")
+                  "(core.layout.GPU_THREEFRY_KERNEL, simulate's default); --nogpu_threefry_kernel: JAX's own setting "
+                  "(the threefry hash written out in XLA operations unless JAX_THREEFRY_GPU_KERNEL_LOWERING=1); the "
+                  "report records the setting in effect.")
 flags.DEFINE_bool("winograd", True, "Let a client trained alone take Winograd convolutions where the platform lists "
                   "them (bfedjax.models.conv.WINOGRAD_TILES; --nowinograd: XLA's convolutions there). Give "
                   "--nowinograd runs their own --output_dir.")
@@ -596,7 +597,7 @@ def previous_rows(path: str) -> tuple[list[dict], float | None, float | None]:
         raise app.UsageError(f"--resume: {path} was measured on {report['machine']['device']!r}, this is {kind!r}; "
                              "fix: pass another --output_dir or drop --resume")
     for name, value in library_settings().items():  # the library rows must be timed with the stored settings
-        stored = report["machine"].get(name, "float32" if name == "compute_dtype" else None)  # None: not recorded
+        stored = report["machine"].get(name, UNRECORDED_SETTINGS.get(name))  # None: not recorded
         if stored is not None and stored != value:
             raise app.UsageError(f"--resume: {path} was measured with {_as_flag(name, stored)}; fix: pass "
                                  f"{_as_flag(name, stored)}, another --output_dir, or drop --resume")
@@ -605,13 +606,20 @@ def previous_rows(path: str) -> tuple[list[dict], float | None, float | None]:
     return report["rows"], report["matmul_peak_gflops"] * 1e9, bandwidth * 1e9 if bandwidth else None
 
 
+# What a report from before a setting was recorded was measured with.
+UNRECORDED_SETTINGS = {"compute_dtype": "float32", "gpu_threefry_kernel": False}
+
+
 def library_settings() -> dict:
     """The flags that change the library's rows, as ``bench.json``'s machine entry records them."""
     import jax
     import bfedjax as bf
     platform = jax.devices()[0].platform
     cpu = {"cpu_devices": len(jax.devices())} if platform == "cpu" else {}  # the default layouts depend on it
-    gpu = {"gpu_threefry_kernel": bf.core.layout.GPU_THREEFRY_KERNEL} if platform == "gpu" else {}
+    gpu = {}
+    if platform == "gpu":  # the setting in effect in the rounds' context (JAX_THREEFRY_GPU_KERNEL_LOWERING too)
+        with bf.core.layout.random_bits_lowering():
+            gpu["gpu_threefry_kernel"] = bool(jax.config.jax_threefry_gpu_kernel_lowering)
     return {**cpu, **gpu, "compute_dtype": FLAGS.compute_dtype, "bfl_gradient_estimator": FLAGS.bfl_gradient_estimator,
             "fixed_local_steps": FLAGS.fixed_local_steps,
             "matmul_conv_max_mib": bf.models.conv.MATMUL_CONV_MAX_BYTES.get(platform, 0) / 2**20,

@@ -551,3 +551,20 @@ def test_with_own_buffers_copies_only_shared_and_repeated_buffers():
     chex.assert_trees_all_equal(own, state)
     jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), donate_argnums=0)(own)  # no buffer donated twice
     assert not shared.is_deleted() and repeated.is_deleted() and fresh.is_deleted()
+
+
+def test_a_local_loop_starts_with_a_per_client_carry():
+    """``engine.per_client`` keeps every value and makes it per-client under the client vmap (a constant too),
+    so a local loop's carry starts batched (JAX then batches the loop body once, not once per leaf that turns
+    per-client): a vmap can no longer return it unmapped."""
+    from bfedjax.core.engine import per_client
+    tree = {"w": jnp.arange(3.0), "step": jnp.int32(0), "key": jax.random.PRNGKey(1)}
+    chex.assert_trees_all_equal(per_client(tree, jnp.bool_(True)), tree)
+    counts = jnp.arange(4)
+    constant = lambda c: tree
+    chex.assert_trees_all_equal(jax.vmap(constant, out_axes=None)(counts), tree)  # unmapped without it
+    for leaf in tree:
+        with pytest.raises(ValueError, match="out_axes"):
+            jax.vmap(lambda c: per_client(tree, c >= 0)[leaf], out_axes=None)(counts)
+    chex.assert_trees_all_equal(jax.vmap(lambda c: per_client(tree, c >= 0))(counts),
+                                jax.tree.map(lambda x: jnp.stack([x] * 4), tree))

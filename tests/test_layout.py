@@ -125,16 +125,24 @@ def test_rounds_lower_random_bits_with_the_threefry_kernel_on_a_gpu(digits_fed, 
     with layout.random_bits_lowering():
         assert setting() is True
     assert setting() is False
+    # the kernel's custom call is what a CUDA lowering of a draw holds inside the context, and only there
+    draw = jax.jit(lambda key: jax.random.normal(key, (4,))).trace(jax.random.PRNGKey(0))
+    for_cuda = lambda: draw.lower(lowering_platforms=("cuda",)).as_text()
+    with layout.random_bits_lowering():
+        assert "threefry2x32_ffi" in for_cuda()
+    assert "threefry2x32_ffi" not in for_cuda()
+    with layout.random_bits_lowering(sharded=True):  # a mesh's rounds keep JAX's setting
+        assert setting() is False
     monkeypatch.setattr(layout, "GPU_THREEFRY_KERNEL", False)
     with layout.random_bits_lowering():
         assert setting() is False
     monkeypatch.undo()
     entered = []
     real = layout.random_bits_lowering
-    monkeypatch.setattr(layout, "random_bits_lowering", lambda: (entered.append(1), real())[1])
+    monkeypatch.setattr(layout, "random_bits_lowering", lambda **kw: (entered.append(kw), real(**kw))[1])
     mlp = bf.algorithms.build("fedavg", bf.models.get_model("mlp", 10, hidden=(8,)), digits_fed, batch_size=16)
     bf.simulate(mlp, digits_fed, rounds=2, key=jax.random.PRNGKey(0))
-    assert len(entered) == 2
+    assert entered == [{"sharded": False}] * 2
 
 
 def test_cache_size_is_read_from_the_os():

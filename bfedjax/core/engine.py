@@ -328,17 +328,33 @@ def local_training(algorithm: Algorithm, ctx: ClientContext, key: jax.Array, ste
             j, taken, _ = carry
             return batch_is_real(ctx.data, j, batch_size) & (taken < step_budget)
 
-        _, taken, local = jax.lax.while_loop(lambda c: more(c), lambda c: (c[0] + 1, c[1] + 1, step(c[0], c[2])),
-                                             (jnp.int32(0), taken, local))
+        carry = per_client((jnp.int32(0), taken, local), ctx.data.count >= 0)
+        _, taken, local = jax.lax.while_loop(lambda c: more(c), lambda c: (c[0] + 1, c[1] + 1, step(c[0], c[2])), carry)
         return (taken, local), None
 
     def train(local):
-        (_, trained), _ = jax.lax.scan(epoch, (jnp.int32(0), local), jnp.arange(algorithm.local_epochs))
+        carry = (jnp.int32(0), local)
+        if not scan_steps:  # the step loop's carry ends up per-client: so does the epochs' (per_client)
+            carry = per_client(carry, ctx.data.count >= 0)
+        (_, trained), _ = jax.lax.scan(epoch, carry, jnp.arange(algorithm.local_epochs))
         return trained
 
     # the scan's fixed steps: an empty padding slot trains nothing (skipped outside a vmap, a select under one)
     trained = jax.lax.cond(ctx.data.count > 0, train, lambda local: local, local) if scan_steps else train(local)
     return algorithm.client_final(trained, ctx)
+
+
+def per_client(tree, true):
+    """``tree`` unchanged, each leaf through ``where(true, leaf, leaf)``, ``true`` a ``[]`` per-client True.
+
+    Under the client vmap the result is batched (per client) in every leaf. A ``while_loop`` whose test is
+    per-client (``local_training``'s step loop) ends up with a per-client carry anyway, and so does a scan
+    around it; JAX's batching rules get there by re-batching the loop body once for each carry leaf that
+    turns per-client (constants such as a step counter), which for a large step (a variational ResNet-20)
+    costs seconds of tracing. Started per-client, the body is batched once. The selects cost one pass over
+    the carry before the loop (not measurable in a CPU round; ``results/bench/gpu_h100_session14``). The
+    fixed-step scan of accelerators settles in one pass and keeps its carry as it is."""
+    return jax.tree.map(lambda leaf: jnp.where(true, leaf, leaf), tree)
 
 
 def with_fixed_local_steps(config: RoundConfig, arrays: RoundArrays) -> RoundConfig:

@@ -39,8 +39,8 @@ is traced:
   ``MEMORY_SHARE`` of the device's memory.
 
 Not a layout but chosen by platform as well: on a GPU, ``simulate`` lowers its rounds with
-JAX's threefry kernel (``random_bits_lowering``), which halves the compile time of variational
-clients.
+JAX's threefry kernel (``random_bits_lowering``), which halved the compile time of a variational
+ResNet-20 round on an H100.
 
 Only the float rounding of the result depends on the layout (the engine sorts the
 cohort by size and masks the padding either way), so a run can be resumed under
@@ -76,8 +76,8 @@ DEFAULT_CACHE_BYTES = 8 * 2**20
 # rather than the threefry hash written out in XLA operations, thousands of them per local step of a
 # variational client (NumPyro splits a key at every sample site), which XLA's fusion passes and its kernel
 # compiler then work through. JAX computes the same threefry function either way. NVIDIA H100, the
-# variational ResNet-20 round (10 clients, B = 32, Flipout): compile 45.5 -> 21.4 s, round 66 -> 69 ms
-# (results/bench/gpu_h100_session14, with JAX_THREEFRY_GPU_KERNEL_LOWERING=1).
+# variational ResNet-20 round (10 clients, B = 32, Flipout): compile 45.5 -> 21.4 s, round 66.5 -> 69 ms
+# (results/bench/gpu_h100_session14, with JAX_THREEFRY_GPU_KERNEL_LOWERING=1). False: JAX's own setting.
 GPU_THREEFRY_KERNEL = True
 # Accelerators: a fixed-step epoch of at most UNROLL_MAX_STEPS steps runs unrolled when one local step
 # traces to at most UNROLL_MAX_STEP_OPERATIONS jaxpr equations (``jaxpr_operations``), i.e. its steps
@@ -91,12 +91,14 @@ UNROLL_MAX_STEPS = 16
 UNROLL_MAX_STEP_OPERATIONS = 550
 
 
-def random_bits_lowering() -> contextlib.AbstractContextManager:
-    """The context ``simulate`` runs its rounds in (``experiments.bench`` compiles them in it too): on a GPU, with
-    ``GPU_THREEFRY_KERNEL``, JAX's threefry kernel for random bits; elsewhere nothing changes. JAX reads the
-    setting when it lowers a function (a round's first call) and keys its compiled functions by it."""
+def random_bits_lowering(sharded: bool = False) -> contextlib.AbstractContextManager:
+    """The context ``simulate`` runs its rounds in (``experiments.bench`` and the Flower client and strategy
+    their jitted stages too): on a GPU, with ``GPU_THREEFRY_KERNEL``, JAX's threefry kernel for random bits;
+    elsewhere, or for rounds ``sharded`` over a mesh (the kernel is a custom call XLA's partitioner cannot
+    split; not measured), JAX's own setting. JAX reads the setting when it lowers a function (a round's first
+    call) and keys its compiled functions by it: the same round called outside the context compiles again."""
     setting = getattr(jax_config, "threefry_gpu_kernel_lowering", None)
-    if not GPU_THREEFRY_KERNEL or setting is None or jax.default_backend() != "gpu":
+    if not GPU_THREEFRY_KERNEL or sharded or setting is None or jax.default_backend() != "gpu":
         return contextlib.nullcontext()
     return setting(True)
 

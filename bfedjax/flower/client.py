@@ -21,6 +21,7 @@ from flwr.app import Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
+from bfedjax.core import layout
 from bfedjax.core.engine import finite_rows, local_training, persistent_init_key
 from bfedjax.core.simulate import traced_hparams
 from bfedjax.core.types import Algorithm, ClientContext, ClientData
@@ -105,7 +106,8 @@ def train(setup: ClientSetup, message: Message, context: Context) -> Message:
     key = P.key_from_config(config[P.CLIENT_KEY])
     budget = jnp.asarray(config[P.STEP_BUDGET], jnp.int32)
     data = ClientData(jnp.asarray(setup.data.x), jnp.asarray(setup.data.y), jnp.asarray(setup.data.count, jnp.int32))
-    out, new_persistent, metrics = _trainer(algorithm, setup.group)(server, persistent, data, hparams, key, budget)
+    with layout.random_bits_lowering():  # as simulate's rounds
+        out, new_persistent, metrics = _trainer(algorithm, setup.group)(server, persistent, data, hparams, key, budget)
     if not bool(finite_rows(jax.tree.map(lambda x: jnp.asarray(x)[None], (out, new_persistent)), 1)[0]):
         return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"client {setup.client_id}: local training gave "
                              "NaN or Inf; the client keeps its state"), reply_to=message)

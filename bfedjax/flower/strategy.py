@@ -31,6 +31,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
+from bfedjax.core import layout
 from bfedjax.core.engine import EngineState, RoundArrays, RoundConfig, finish_round, sample_cohort, server_key_of
 from bfedjax.core.simulate import client_base_weights, cohort_size, round_key, traced_hparams
 from bfedjax.core.types import Algorithm
@@ -186,7 +187,8 @@ class AlgorithmStrategy(Strategy):
         hparams = traced_hparams(self.algorithm, server_round,
                                  self.hparams_fn(server_round) if self.hparams_fn else None)
         key = round_key(self.key, server_round)
-        cohort = self._sample(self._arrays, key)
+        with layout.random_bits_lowering():  # as simulate's rounds
+            cohort = self._sample(self._arrays, key)
         self._round = (server_round, cohort, hparams, server_key_of(key), time.perf_counter())
         ids, mask = np.asarray(cohort.ids), np.asarray(cohort.mask)
         keys, budgets = np.asarray(cohort.keys), np.asarray(cohort.budgets)
@@ -255,8 +257,9 @@ class AlgorithmStrategy(Strategy):
             log(WARNING, "bfedjax: round %d: rejected node %d (client %d): no reply", server_round,
                 self.node_of[int(ids[slot])], int(ids[slot]))
         messages, client_metrics, finite = self._stacked(accepted, len(ids))
-        state, metrics = self._finish(EngineState(self.server, ()), self._arrays, cohort, messages, client_metrics,
-                                      finite, (), hparams, server_key)
+        with layout.random_bits_lowering():
+            state, metrics = self._finish(EngineState(self.server, ()), self._arrays, cohort, messages,
+                                          client_metrics, finite, (), hparams, server_key)
         self.server = state.server
         record = {"round": server_round, **{k: float(v) for k, v in metrics.items()},
                   "rejected_clients": float(len(refused) + len(silent)), "seconds": time.perf_counter() - started}
