@@ -599,8 +599,10 @@ def previous_rows(path: str) -> tuple[list[dict], float | None, float | None]:
     for name, value in library_settings().items():  # the library rows must be timed with the stored settings
         stored = report["machine"].get(name, UNRECORDED_SETTINGS.get(name))  # None: not recorded
         if stored is not None and stored != value:
+            also = (" (with JAX_THREEFRY_GPU_KERNEL_LOWERING unset)"
+                    if name == "gpu_threefry_kernel" and not stored else "")
             raise app.UsageError(f"--resume: {path} was measured with {_as_flag(name, stored)}; fix: pass "
-                                 f"{_as_flag(name, stored)}, another --output_dir, or drop --resume")
+                                 f"{_as_flag(name, stored)}{also}, another --output_dir, or drop --resume")
     print(f"resuming: {len(report['rows'])} rows kept from {path}", flush=True)
     bandwidth = report.get("memory_gb_per_s")  # absent in reports from before the roofline column
     return report["rows"], report["matmul_peak_gflops"] * 1e9, bandwidth * 1e9 if bandwidth else None

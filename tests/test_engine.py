@@ -553,18 +553,34 @@ def test_with_own_buffers_copies_only_shared_and_repeated_buffers():
     assert not shared.is_deleted() and repeated.is_deleted() and fresh.is_deleted()
 
 
-def test_a_local_loop_starts_with_a_per_client_carry():
-    """``engine.per_client`` keeps every value and makes it per-client under the client vmap (a constant too),
-    so a local loop's carry starts batched (JAX then batches the loop body once, not once per leaf that turns
-    per-client): a vmap can no longer return it unmapped."""
-    from bfedjax.core.engine import per_client
-    tree = {"w": jnp.arange(3.0), "step": jnp.int32(0), "key": jax.random.PRNGKey(1)}
-    chex.assert_trees_all_equal(per_client(tree, jnp.bool_(True)), tree)
+def test_a_local_loop_starts_with_a_per_client_carry(small_fed, tiny_model, tiny_params, monkeypatch):
+    """``engine.per_client`` keeps every value and dtype and makes it per-client under the client vmap (a
+    constant too), so a local loop's carry starts batched (JAX then batches the loop body once, not once per
+    leaf that turns per-client): a vmap can no longer return it unmapped. ``local_training`` starts the step
+    loop's carry and the epoch scan's so; the fixed-step scan (an accelerator's, or unrolled) keeps its own."""
+    from bfedjax.core import engine
+    tree = {"w": jnp.arange(3.0), "half": jnp.ones(2, jnp.bfloat16), "step": jnp.int32(0), "flag": jnp.bool_(False),
+            "raw_key": jax.random.PRNGKey(1), "key_data": jax.random.key_data(jax.random.key(2))}
+    chex.assert_trees_all_equal(engine.per_client(tree, jnp.bool_(True)), tree, strict=True)
+    typed = jax.random.key(3)
+    assert jnp.array_equal(jax.random.key_data(engine.per_client(typed, jnp.bool_(True))), jax.random.key_data(typed))
     counts = jnp.arange(4)
-    constant = lambda c: tree
-    chex.assert_trees_all_equal(jax.vmap(constant, out_axes=None)(counts), tree)  # unmapped without it
+    chex.assert_trees_all_equal(jax.vmap(lambda c: tree, out_axes=None)(counts), tree)  # unmapped without it
     for leaf in tree:
         with pytest.raises(ValueError, match="out_axes"):
-            jax.vmap(lambda c: per_client(tree, c >= 0)[leaf], out_axes=None)(counts)
-    chex.assert_trees_all_equal(jax.vmap(lambda c: per_client(tree, c >= 0))(counts),
-                                jax.tree.map(lambda x: jnp.stack([x] * 4), tree))
+            jax.vmap(lambda c: engine.per_client(tree, c >= 0)[leaf], out_axes=None)(counts)
+    chex.assert_trees_all_equal(jax.vmap(lambda c: engine.per_client(tree, c >= 0))(counts),
+                                jax.tree.map(lambda x: jnp.stack([x] * 4), tree), strict=True)
+    # where local_training uses it
+    calls = []
+    real = engine.per_client
+    monkeypatch.setattr(engine, "per_client", lambda tree, true: (calls.append(len(jax.tree.leaves(tree))),
+                                                                   real(tree, true))[1])
+    algo = bf.algorithms.build("fedavg", tiny_model, small_fed, batch_size=16)
+    data = ClientData(jnp.asarray(small_fed.x[0]), jnp.asarray(small_fed.y[0]), jnp.int32(small_fed.counts[0]))
+    ctx = ClientContext({"params": tiny_params}, (), data, traced_hparams(algo, 1))
+    for fixed_steps, unroll, expected in ((False, None, 2), (True, 2, 0)):  # the loop; an unrolled fixed-step scan
+        calls.clear()
+        jax.make_jaxpr(lambda: local_training(algo, ctx, jax.random.PRNGKey(0), fixed_steps=fixed_steps,
+                                              unroll=unroll))()
+        assert len(calls) == expected

@@ -246,7 +246,7 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
     for r in range(len(history) + 1, rounds + 1):
         start = time.perf_counter()
         hparams = traced_hparams(algorithm, r, hparams_fn(r) if hparams_fn else None)
-        with layout.random_bits_lowering(sharded=mesh is not None):  # the first round compiles the step
+        with layout.random_bits_lowering(sharded=mesh is not None and mesh.devices.size > 1):  # compiles round 1
             state, metrics = round_step(state, arrays, round_key(key, r), hparams)
         record = {"round": r, **{k: float(v) for k, v in metrics.items()}}
         record["seconds"] = time.perf_counter() - start
