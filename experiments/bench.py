@@ -72,8 +72,8 @@ import numpy as np
 from absl import app, flags, logging
 
 from experiments import bench_anchors, bench_torch, errors
-from experiments.bench_report import (ALTERNATED, ALTERNATED_CONFIGS, PAIRED, RESNET_COMPILE_CONFIG, check_targets,
-                                     markdown)
+from experiments.bench_report import (ALTERNATED, ALTERNATED_CONFIGS, PAIRED, RESNET_COMPILE_CONFIG, changed_setting,
+                                     check_targets, markdown)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_bool("quick", True, "Quick mode: fewer configurations, and the variational and FedReg clients "
@@ -596,20 +596,15 @@ def previous_rows(path: str) -> tuple[list[dict], float | None, float | None]:
     if report["machine"]["device"] != kind:
         raise app.UsageError(f"--resume: {path} was measured on {report['machine']['device']!r}, this is {kind!r}; "
                              "fix: pass another --output_dir or drop --resume")
-    for name, value in library_settings().items():  # the library rows must be timed with the stored settings
-        stored = report["machine"].get(name, UNRECORDED_SETTINGS.get(name))  # None: not recorded
-        if stored is not None and stored != value:
-            also = (" (with JAX_THREEFRY_GPU_KERNEL_LOWERING unset)"
-                    if name == "gpu_threefry_kernel" and not stored else "")
-            raise app.UsageError(f"--resume: {path} was measured with {_as_flag(name, stored)}; fix: pass "
-                                 f"{_as_flag(name, stored)}{also}, another --output_dir, or drop --resume")
+    changed = changed_setting(report["machine"], library_settings())  # the library rows need the stored settings
+    if changed is not None:
+        name, stored = changed
+        also = " (with JAX_THREEFRY_GPU_KERNEL_LOWERING unset)" if name == "gpu_threefry_kernel" and not stored else ""
+        raise app.UsageError(f"--resume: {path} was measured with {_as_flag(name, stored)}; fix: pass "
+                             f"{_as_flag(name, stored)}{also}, another --output_dir, or drop --resume")
     print(f"resuming: {len(report['rows'])} rows kept from {path}", flush=True)
     bandwidth = report.get("memory_gb_per_s")  # absent in reports from before the roofline column
     return report["rows"], report["matmul_peak_gflops"] * 1e9, bandwidth * 1e9 if bandwidth else None
-
-
-# What a report from before a setting was recorded was measured with.
-UNRECORDED_SETTINGS = {"compute_dtype": "float32", "gpu_threefry_kernel": False}
 
 
 def library_settings() -> dict:

@@ -136,6 +136,21 @@ def default_gap(rows, default_row) -> tuple[float, str]:
     return default_row["round_s"] / fastest, "rows timed in sequence"
 
 
+# What a report from before a setting was recorded was measured with.
+UNRECORDED_SETTINGS = {"compute_dtype": "float32", "gpu_threefry_kernel": False}
+
+
+def changed_setting(machine: dict, settings: dict) -> tuple[str, object] | None:
+    """The first ``(name, stored value)`` among ``settings`` (this run's library settings, ``bench.library_settings``)
+    that a report's ``machine`` entry recorded, or implies by ``UNRECORDED_SETTINGS``, with another value; None
+    if every one agrees or was not recorded."""
+    for name, value in settings.items():
+        stored = machine.get(name, UNRECORDED_SETTINGS.get(name))
+        if stored is not None and stored != value:
+            return name, stored
+    return None
+
+
 def markdown(report) -> str:
     m = report["machine"]
     bandwidth = report.get("memory_gb_per_s")

@@ -195,22 +195,17 @@ def test_bench_quick_smoke_and_resume(tmp_path):
         assert mixed.returncode != 0 and f"measured with {stored}" in message and "Traceback" not in message
 
 
-def test_bench_resume_refuses_a_report_of_another_random_bits_lowering(tmp_path, monkeypatch):
+def test_bench_resume_compares_the_random_bits_lowering_of_gpu_reports():
     """A GPU report records the threefry setting its rounds were lowered with; one from before that was recorded
-    was lowered with JAX's default (off). Resuming either under another setting names the stored flag."""
-    import jax
-    from absl import app
-    from experiments import bench
-    path = tmp_path / "bench.json"
-    machine = {"device": str(jax.devices()[0].device_kind)}
-    monkeypatch.setattr(bench, "library_settings", lambda: {"gpu_threefry_kernel": True})  # this run's, on a GPU
-    for stored in ({}, {"gpu_threefry_kernel": False}):
-        path.write_text(json.dumps({"machine": {**machine, **stored}, "rows": [], "matmul_peak_gflops": 1.0}))
-        with pytest.raises(app.UsageError, match="measured with --nogpu_threefry_kernel"):
-            bench.previous_rows(str(path))
-    path.write_text(json.dumps({"machine": {**machine, "gpu_threefry_kernel": True}, "rows": [],
-                                "matmul_peak_gflops": 1.0}))
-    assert bench.previous_rows(str(path)) == ([], 1e9, None)
+    was lowered with JAX's default (off). ``--resume`` (``bench.previous_rows``) refuses the setting it names."""
+    from experiments import bench_report as bench
+    kernel = {"gpu_threefry_kernel": True}  # this run's, on a GPU
+    assert bench.changed_setting({"device": "x"}, kernel) == ("gpu_threefry_kernel", False)
+    assert bench.changed_setting({"gpu_threefry_kernel": False}, kernel) == ("gpu_threefry_kernel", False)
+    assert bench.changed_setting({"gpu_threefry_kernel": True}, kernel) is None
+    assert bench.changed_setting({}, {"gpu_threefry_kernel": False, "fixed_local_steps": True}) is None  # unrecorded
+    assert bench.changed_setting({"compute_dtype": "bfloat16"}, {"compute_dtype": "float32"}) == ("compute_dtype",
+                                                                                                  "bfloat16")
 
 
 def test_bench_targets_follow_the_platform():
