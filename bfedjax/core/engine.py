@@ -328,6 +328,8 @@ def local_training(algorithm: Algorithm, ctx: ClientContext, key: jax.Array, ste
             j, taken, _ = carry
             return batch_is_real(ctx.data, j, batch_size) & (taken < step_budget)
 
+        # both this and train's per_client are needed: per-client zeros for the counters and the epoch carry's
+        # per_client alone left tracing at 3.9 s instead of 2.4 s (ResNet-20 BFL round, 2-core CPU)
         carry = per_client((jnp.int32(0), taken, local), ctx.data.count >= 0)
         _, taken, local = jax.lax.while_loop(lambda c: more(c), lambda c: (c[0] + 1, c[1] + 1, step(c[0], c[2])), carry)
         return (taken, local), None
