@@ -3,6 +3,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpyro
 import pytest
 
 import bfedjax as bf
@@ -103,6 +104,45 @@ def test_bad_rule_and_weighting(vi_model):
         bf.algorithms.bfl(vi_model, (8, 8, 1), weighting="loss")
 
 
+def test_guide_is_numpyros_autonormal_written_out(vi_model):
+    """``MeanFieldVI.guide`` samples, scores and constrains as NumPyro's ``AutoNormal`` over the same model: the
+    same ELBO and gradient under the same key and params (order of the sites, event dims, softplus scales)."""
+    from numpyro.infer import SVI
+    from numpyro.infer.autoguide import AutoNormal
+    config = bf.vi.MeanFieldConfig(variational_biases=True, gradient_estimator="reparameterization")
+    vi = MeanFieldVI(vi_model, (8, 8, 1), config)  # reparameterisation: the model reads no guide params
+    key = jax.random.PRNGKey(0)
+    x, y, mask, count = jax.random.uniform(key, (6, 8, 8, 1)), jnp.arange(6) % 10, jnp.ones(6), jnp.float32(6)
+    posterior = vi.init_posterior(key)
+    posterior["scale"] = jax.tree.map(lambda s: s * jnp.linspace(0.5, 2.0, s.size).reshape(s.shape), posterior["scale"])
+    params = vi.svi.get_params(vi.init_svi_state(key, x, y, count, posterior))
+    sites = {f"net/{name}" for name in vi.variational}
+    assert {k for k in params if k.endswith(("_loc", "_scale"))} == {f"{s}_{p}" for s in sites for p in ("loc", "scale")}
+    auto = AutoNormal(vi.numpyro_model, init_scale=config.init_scale)
+    numpyro.handlers.seed(auto, 0)(x, y, mask, count)  # its prototype, set up outside the loss (it draws a key)
+    renamed = {renamed_name(k, sites): v for k, v in params.items()}
+
+    def loss(guide, p, k):
+        return vi.svi.loss.loss(k, p, vi.numpyro_model, guide, x, y, mask, count)
+
+    for k in jax.random.split(key, 3):
+        np.testing.assert_allclose(loss(vi.guide, params, k), loss(auto, renamed, k), rtol=1e-6)
+    ours, theirs = jax.grad(loss, 1)(vi.guide, params, key), jax.grad(loss, 1)(auto, renamed, key)
+    chex.assert_trees_all_close({renamed_name(k, sites): g for k, g in ours.items()}, theirs, rtol=1e-5, atol=1e-7)
+    # an SVI step moves the unconstrained params: the same scales only through the same (softplus) constraint
+    auto_svi = SVI(vi.numpyro_model, auto, vi.svi.optim, vi.svi.loss)
+    state, auto_state = vi.init_svi_state(key, x, y, count, posterior), auto_svi.init(key, x, y, mask, count, init_params=renamed)
+    stepped = vi.svi.get_params(vi.svi.update(state, x, y, mask, count)[0])
+    chex.assert_trees_all_close({renamed_name(k, sites): v for k, v in stepped.items()},
+                                auto_svi.get_params(auto_svi.update(auto_state, x, y, mask, count)[0]), rtol=1e-5)
+
+
+def renamed_name(name: str, sites: set) -> str:
+    """``AutoNormal``'s name of a guide param: ``<site>_auto_loc`` for ``<site>_loc``."""
+    stem, _, kind = name.rpartition("_")
+    return f"{stem}_auto_{kind}" if stem in sites else name
+
+
 def test_kl_weight_multiplies_the_elbo_kl_by_the_analytic_kl(vi_model):
     """Spec D5: the guide's scale multiplies TraceMeanField_ELBO's analytic KL and nothing else."""
     vi = MeanFieldVI(vi_model, (8, 8, 1))
@@ -168,7 +208,7 @@ def test_sgd_clients_step_along_the_elbo_gradient(vi_model):
     key = jax.random.PRNGKey(0)
     x, y = jax.random.uniform(key, (6, 8, 8, 1)), jnp.arange(6) % 10
     state = MeanFieldVI.with_learning_rate(vi.init_svi_state(key, x, y, jnp.float32(6), vi.init_posterior(key)), 0.05)
-    params, name = vi.svi.get_params(state), "net/Dense_1.kernel_auto_loc"
+    params, name = vi.svi.get_params(state), "net/Dense_1.kernel_loc"
     step_key = jax.random.split(state.rng_key)[1]  # the key SVI.update evaluates the loss with
     grad = jax.grad(lambda loc: vi.svi.loss.loss(step_key, {**params, name: loc}, vi.svi.model, vi.svi.guide, x, y,
                                                  jnp.ones(6), jnp.float32(6)))(params[name])

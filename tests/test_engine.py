@@ -584,3 +584,32 @@ def test_a_local_loop_starts_with_a_per_client_carry(small_fed, tiny_model, tiny
         jax.make_jaxpr(lambda: local_training(algo, ctx, jax.random.PRNGKey(0), fixed_steps=fixed_steps,
                                               unroll=unroll))()
         assert len(calls) == expected
+
+
+def test_a_fixed_step_epoch_traces_its_step_once(monkeypatch):
+    """``engine.scanned_steps``: where the unroll decision measures the step (an accelerator, epoch short), the
+    scan replays the jaxpr it traced, so the Python step runs once, and the round lowers as with the step traced
+    again; elsewhere the scan traces the step itself, once. Both step ``local`` as a Python loop does."""
+    from bfedjax.core import engine, layout
+    calls = []
+
+    def step(j, local):
+        calls.append(j)
+        return {"w": local["w"] * 0.5 + j, "n": (local["n"][0] + 1,), "key": jax.random.fold_in(local["key"], j)}
+
+    local = {"w": jnp.arange(3.0), "n": (jnp.int32(0),), "key": jax.random.key(1)}
+    expected = dict(local)
+    for j in range(4):
+        expected = step(jnp.int32(j), expected)
+    decided = []
+    monkeypatch.setattr(layout, "auto_unroll_local_steps",
+                        lambda real=layout.auto_unroll_local_steps, **kw: decided.append(real(**kw)) or decided[-1])
+    for platform, unroll, expected_unroll in (("gpu", None, 4), ("cpu", None, 1), ("gpu", 2, None)):
+        calls.clear(), decided.clear()
+        out = jax.jit(lambda l: engine.scanned_steps(step, l, 4, platform, unroll))(local)
+        assert len(calls) == 1 and decided == ([] if expected_unroll is None else [expected_unroll])
+        chex.assert_trees_all_equal({**out, "key": jax.random.key_data(out["key"])},
+                                    {**expected, "key": jax.random.key_data(expected["key"])})
+    text = {u: jax.jit(lambda l: engine.scanned_steps(step, l, 4, "gpu", u)).lower(local).as_text(debug_info=False)
+            for u in (None, 4)}  # replayed (decided: 4) and traced again (given 4)
+    assert text[None] == text[4]

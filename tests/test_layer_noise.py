@@ -103,7 +103,7 @@ def _loc_gradients(vi, x, y, keys):
     key0 = jax.random.PRNGKey(0)
     state = vi.init_svi_state(key0, x, y, jnp.float32(len(y)), vi.init_posterior(key0))
     params = vi.svi.get_params(state)
-    name = "net/Dense_0.kernel_auto_loc"
+    name = "net/Dense_0.kernel_loc"
 
     def loss(loc, key):
         return vi.svi.loss.loss(key, {**params, name: loc}, vi.svi.model, vi.svi.guide, x, y,

@@ -68,6 +68,7 @@ import numbers
 from typing import Any, NamedTuple
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
@@ -316,12 +317,7 @@ def local_training(algorithm: Algorithm, ctx: ClientContext, key: jax.Array, ste
             return algorithm.client_step(local, batch, ctx, jax.random.fold_in(epoch_key, j))
 
         if scan_steps:
-            steps = steps_per_epoch(max_n, batch_size)
-            per_iteration = unroll or layout.auto_unroll_local_steps(
-                platform=platform, steps_per_epoch=steps,
-                step_operations=lambda: layout.jaxpr_operations(jax.make_jaxpr(step)(jnp.int32(0), local)))
-            local, _ = jax.lax.scan(lambda local, j: (step(j, local), None), local, jnp.arange(steps, dtype=jnp.int32),
-                                    unroll=per_iteration)
+            local = scanned_steps(step, local, steps_per_epoch(max_n, batch_size), platform, unroll)
             return (taken, local), None
 
         def more(carry):
@@ -344,6 +340,38 @@ def local_training(algorithm: Algorithm, ctx: ClientContext, key: jax.Array, ste
     # the scan's fixed steps: an empty padding slot trains nothing (skipped outside a vmap, a select under one)
     trained = jax.lax.cond(ctx.data.count > 0, train, lambda local: local, local) if scan_steps else train(local)
     return algorithm.client_final(trained, ctx)
+
+
+def scanned_steps(step, local, steps: int, platform: str, unroll: int | None):
+    """``local`` after ``local = step(j, local)`` for ``j = 0 .. steps - 1`` (``int32 []``) under a ``lax.scan``:
+    the fixed-step epoch of ``local_training``, ``unroll`` steps per iteration (``None``:
+    ``layout.auto_unroll_local_steps`` for ``platform``).
+
+    Where that decision needs the step's size, the step is traced once, to a jaxpr whose equations it
+    counts, and the scan replays that jaxpr instead of tracing the Python step a second time (for the
+    variational ResNet-20 round, whose steps the decision keeps rolled: 0.3 to 0.5 s of its 3.3 to 4 s
+    trace on a 2-core CPU, same lowered module).
+    """
+    traced = []
+
+    def step_operations():
+        traced.append(jax.make_jaxpr(step, return_shape=True)(jnp.int32(0), local))
+        return layout.jaxpr_operations(traced[0][0])
+
+    per_iteration = unroll or layout.auto_unroll_local_steps(platform=platform, steps_per_epoch=steps,
+                                                             step_operations=step_operations)
+    if traced:
+        jaxpr, shape = traced[0]
+        replay, structure = jax.extend.core.jaxpr_as_fun(jaxpr), jax.tree.structure(shape)
+
+        def replayed(j, local):
+            return jax.tree.unflatten(structure, replay(j, *jax.tree.leaves(local)))
+
+        step = replayed
+
+    local, _ = jax.lax.scan(lambda local, j: (step(j, local), None), local, jnp.arange(steps, dtype=jnp.int32),
+                            unroll=per_iteration)
+    return local
 
 
 def per_client(tree, true):
