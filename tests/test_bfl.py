@@ -137,6 +137,36 @@ def test_guide_is_numpyros_autonormal_written_out(vi_model):
                                 auto_svi.get_params(auto_svi.update(auto_state, x, y, mask, count)[0]), rtol=1e-5)
 
 
+def test_guide_samples_the_models_latent_sites_in_its_order():
+    """On a model with BatchNorm (the Flax params one level down, ``_prefix``), kernels and variational biases:
+    the guide's sample sites are the model's latent sites, in the model's order, with the same event shapes."""
+    from numpyro import handlers
+    model = bf.models.get_model("resnet20", 10)
+    vi = MeanFieldVI(model, (8, 8, 1), bf.vi.MeanFieldConfig(variational_biases=True))
+    key = jax.random.PRNGKey(0)
+    x, y, mask, count = jax.random.uniform(key, (2, 8, 8, 1)), jnp.arange(2), jnp.ones(2), jnp.float32(2)
+    def latent(trace):
+        return [(name, site["fn"].event_shape) for name, site in trace.items()
+                if site["type"] == "sample" and not site["is_observed"]]
+
+    traces = {}
+
+    def record(key):  # traced only (jax.eval_shape): the sites are Python-level facts
+        state = vi.init_svi_state(key, x, y, count, vi.init_posterior(key))
+        params = {**vi.svi.get_params(state), **state.mutable_state}
+        guide = handlers.trace(handlers.seed(handlers.substitute(vi.guide, params), 0))
+        guide_trace = guide.get_trace(x, y, mask, count)
+        model = handlers.replay(handlers.substitute(vi.numpyro_model, params), guide_trace)
+        traces["guide"] = latent(guide_trace)
+        traces["model"] = latent(handlers.trace(handlers.seed(model, 1)).get_trace(x, y, mask, count))
+        return jnp.zeros(())
+
+    jax.eval_shape(record, key)
+    assert traces["guide"] == traces["model"] and len(traces["guide"]) == len(vi.variational)
+    assert {"params." + name.removeprefix("net/") for name, _ in traces["guide"]} == vi.variational  # wire paths
+    assert any(name.endswith(".bias") for name, _ in traces["guide"])
+
+
 def renamed_name(name: str, sites: set) -> str:
     """``AutoNormal``'s name of a guide param: ``<site>_auto_loc`` for ``<site>_loc``."""
     stem, _, kind = name.rpartition("_")

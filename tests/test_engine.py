@@ -588,28 +588,49 @@ def test_a_local_loop_starts_with_a_per_client_carry(small_fed, tiny_model, tiny
 
 def test_a_fixed_step_epoch_traces_its_step_once(monkeypatch):
     """``engine.scanned_steps``: where the unroll decision measures the step (an accelerator, epoch short), the
-    scan replays the jaxpr it traced, so the Python step runs once, and the round lowers as with the step traced
-    again; elsewhere the scan traces the step itself, once. Both step ``local`` as a Python loop does."""
+    scan replays the jaxpr it traced, so the Python step runs once, as where the scan traces the step itself (a
+    CPU; an unroll given). Used as ``local_training`` uses it (an epoch scan around it, under the client vmap,
+    the step closing over per-client values and the epoch's key, a cond inside), the replay gives the values and
+    gradients of the step traced again, and the same lowered module (which a JAX release lowering a replayed
+    jaxpr's constants differently would break)."""
     from bfedjax.core import engine, layout
-    calls = []
+    calls, decided = [], []
+    real_decision = layout.auto_unroll_local_steps
 
-    def step(j, local):
-        calls.append(j)
-        return {"w": local["w"] * 0.5 + j, "n": (local["n"][0] + 1,), "key": jax.random.fold_in(local["key"], j)}
+    def decision(**kwargs):
+        decided.append(real_decision(**kwargs))
+        return decided[-1]
 
-    local = {"w": jnp.arange(3.0), "n": (jnp.int32(0),), "key": jax.random.key(1)}
-    expected = dict(local)
-    for j in range(4):
-        expected = step(jnp.int32(j), expected)
-    decided = []
-    monkeypatch.setattr(layout, "auto_unroll_local_steps",
-                        lambda real=layout.auto_unroll_local_steps, **kw: decided.append(real(**kw)) or decided[-1])
-    for platform, unroll, expected_unroll in (("gpu", None, 4), ("cpu", None, 1), ("gpu", 2, None)):
-        calls.clear(), decided.clear()
-        out = jax.jit(lambda l: engine.scanned_steps(step, l, 4, platform, unroll))(local)
-        assert len(calls) == 1 and decided == ([] if expected_unroll is None else [expected_unroll])
-        chex.assert_trees_all_equal({**out, "key": jax.random.key_data(out["key"])},
-                                    {**expected, "key": jax.random.key_data(expected["key"])})
-    text = {u: jax.jit(lambda l: engine.scanned_steps(step, l, 4, "gpu", u)).lower(local).as_text(debug_info=False)
-            for u in (None, 4)}  # replayed (decided: 4) and traced again (given 4)
+    monkeypatch.setattr(layout, "auto_unroll_local_steps", decision)
+
+    def epochs(shift, platform, unroll):
+        def epoch(local, e):
+            epoch_key = jax.random.fold_in(jax.random.key(7), e)
+
+            def step(j, local):
+                calls.append(j)
+                w = jax.lax.cond(j % 2 == 0, lambda w: w * 0.5, lambda w: w + 1.0, local["w"]) + shift
+                noise = jax.random.normal(jax.random.fold_in(epoch_key, j), w.shape)
+                return {"w": w + 0.1 * noise, "n": (local["n"][0] + 1,), "key": jax.random.fold_in(local["key"], j)}
+
+            return engine.scanned_steps(step, local, 4, platform, unroll), None
+
+        local = {"w": jnp.arange(3.0), "n": (jnp.int32(0),), "key": jax.random.key(1)}
+        out = jax.lax.scan(epoch, local, jnp.arange(2))[0]
+        return {**out, "key": jax.random.key_data(out["key"])}
+
+    shifts = jnp.array([0.0, 1.0, -2.0])
+    results = {}
+    for platform, unroll, expected_decision in (("gpu", None, [4]), ("gpu", 4, []), ("cpu", None, [1])):
+        calls.clear()
+        decided.clear()
+        results[platform, unroll] = jax.jit(jax.vmap(lambda s: epochs(s, platform, unroll)))(shifts)
+        assert len(calls) == 1 and decided == expected_decision
+    chex.assert_trees_all_equal(results["gpu", None], results["gpu", 4])
+    chex.assert_trees_all_close(results["gpu", None], results["cpu", None], rtol=1e-6)  # one step per iteration
+    expected = epochs(shifts[1], "cpu", None)  # eagerly: scan bodies traced, no vmap, no jit
+    chex.assert_trees_all_close(jax.tree.map(lambda x: x[1], results["gpu", None]), expected, rtol=1e-6)
+    grads = {u: jax.grad(lambda s: epochs(s, "gpu", u)["w"].sum())(1.0) for u in (None, 4)}
+    assert grads[None] == grads[4] and grads[None] != 0
+    text = {u: jax.jit(lambda s: epochs(s, "gpu", u)).lower(1.0).as_text(debug_info=False) for u in (None, 4)}
     assert text[None] == text[4]

@@ -348,14 +348,16 @@ def scanned_steps(step, local, steps: int, platform: str, unroll: int | None):
     ``layout.auto_unroll_local_steps`` for ``platform``).
 
     Where that decision needs the step's size, the step is traced once, to a jaxpr whose equations it
-    counts, and the scan replays that jaxpr instead of tracing the Python step a second time (for the
-    variational ResNet-20 round, whose steps the decision keeps rolled: 0.3 to 0.5 s of its 3.3 to 4 s
-    trace on a 2-core CPU, same lowered module).
+    counts, and the scan replays that jaxpr instead of tracing the Python step a second time (the
+    variational ResNet-20 round, whose steps the decision keeps rolled: first trace 4.93 -> 4.32 s on the
+    2-core CPU, medians of three processes, ``results/bench/session15_cpu_trace``). The scan's carry has
+    ``local``'s structure, the one the jaxpr was traced with.
     """
     traced = []
 
     def step_operations():
-        traced.append(jax.make_jaxpr(step, return_shape=True)(jnp.int32(0), local))
+        if not traced:
+            traced.append(jax.make_jaxpr(step, return_shape=True)(jnp.int32(0), local))
         return layout.jaxpr_operations(traced[0][0])
 
     per_iteration = unroll or layout.auto_unroll_local_steps(platform=platform, steps_per_epoch=steps,

@@ -135,7 +135,8 @@ class MeanFieldVI:
         flat_params = traverse_util.flatten_dict(params)
         self._sites = {_path_name(path): self._prefix + path for path in flat_params
                        if _is_variational(path, config.variational_biases)}
-        # the guide's sites, in the model's order (random_flax_module samples the leaves as flatten_dict lists them)
+        # the guide's sites in sorted path order, the model's (JAX flattens dicts by sorted key: eval_shape's params
+        # here, and the params SVI hands random_flax_module); the order decides which random key each site draws
         self._site_shapes = {name: flat_params[path[len(self._prefix):]] for name, path in self._sites.items()}
         self.variational = frozenset(_path_name(p) for p in self._sites.values())
         """Dotted paths of the variational leaves in the wire (engine) tree."""
@@ -154,8 +155,9 @@ class MeanFieldVI:
         The same guide as NumPyro's ``AutoNormal`` over this model (whose sites are all unconstrained,
         unplated Normals), written out: ``AutoNormal`` sets itself up on its first call by finding
         initial values valid for the model's potential energy and its gradient (a forward and backward
-        pass of the network), 4.5 of the 11 s of tracing a variational ResNet-20 round when profiled,
-        for values ``init_svi_state`` always replaces. The model's ``args`` are unused.
+        pass of the network), 5.7 of the 15.6 s of a profiled first trace of a variational ResNet-20 round,
+        for values ``init_svi_state`` always replaces. The model's ``args`` are unused; returns ``None``
+        (SVI reads the trace).
         ``kl_weight`` (``[]``, may be traced, > 0) multiplies the ELBO's KL term
         (``TraceMeanField_ELBO`` scales each latent site's analytic KL by the guide site's scale);
         ``None``: the KL as is.

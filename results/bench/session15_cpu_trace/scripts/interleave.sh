@@ -1,10 +1,14 @@
 #!/bin/bash
-# three processes per checkout, interleaved; each prints three traces
-S=/work/main/results/bench/session15_cpu_trace/scripts
+# Three processes per checkout, interleaved, each tracing the variational ResNet-20 round three times on the
+# accelerators' path (trace_gpu_path.py) and on the CPU's step loop (session 14's trace_thrice.py).
+# Checkouts (see ../README.md): BASE (d833bca), GUIDE_ONLY (a003e86 with d833bca's bfedjax/core/engine.py), NEW.
+# Run from the repository root: BASE=... GUIDE_ONLY=... NEW=... bash results/bench/session15_cpu_trace/scripts/interleave.sh
+here=$(cd "$(dirname "$0")" && pwd)
+thrice=$here/../../gpu_h100_session14/scripts/trace_thrice.py
 for i in 1 2 3; do
-  for d in /tmp/s15/base /tmp/s15/guide_only /work/main; do
-    n=$(basename $d); [ $n = main ] && n=a003e86; [ $n = base ] && n=d833bca; [ $n = guide_only ] && n="a003e86-guide-only"
-    echo "gpu-path $n run $i: $(cd $d && PYTHONPATH=$d python $S/trace_gpu_path.py 2>/dev/null | grep -o 'trace [0-9.]*s' | tr '\n' ' ')"
-    echo "cpu-loop $n run $i: $(cd $d && PYTHONPATH=$d python /work/main/results/bench/gpu_h100_session14/scripts/trace_thrice.py 2>/dev/null | grep -o 'trace [0-9.]*s' | tr '\n' ' ')"
+  for pair in "d833bca=$BASE" "a003e86-guide-only=$GUIDE_ONLY" "a003e86=$NEW"; do
+    name=${pair%%=*}; dir=${pair#*=}
+    echo "gpu-path $name run $i: $(cd "$dir" && PYTHONPATH="$dir" python "$here/trace_gpu_path.py" 2>/dev/null | grep -o 'trace [0-9.]*s' | tr '\n' ' ')"
+    echo "cpu-loop $name run $i: $(cd "$dir" && PYTHONPATH="$dir" python "$thrice" 2>/dev/null | grep -o 'trace [0-9.]*s' | tr '\n' ' ')"
   done
 done
