@@ -115,26 +115,29 @@ def test_guide_is_numpyros_autonormal_written_out(vi_model):
     x, y, mask, count = jax.random.uniform(key, (6, 8, 8, 1)), jnp.arange(6) % 10, jnp.ones(6), jnp.float32(6)
     posterior = vi.init_posterior(key)
     posterior["scale"] = jax.tree.map(lambda s: s * jnp.linspace(0.5, 2.0, s.size).reshape(s.shape), posterior["scale"])
-    params = vi.svi.get_params(vi.init_svi_state(key, x, y, count, posterior))
+    state = jax.jit(lambda p: vi.init_svi_state(key, x, y, count, p))(posterior)
+    params = vi.svi.get_params(state)
     sites = {f"net/{name}" for name in vi.variational}
     assert {k for k in params if k.endswith(("_loc", "_scale"))} == {f"{s}_{p}" for s in sites for p in ("loc", "scale")}
     auto = AutoNormal(vi.numpyro_model, init_scale=config.init_scale)
-    numpyro.handlers.seed(auto, 0)(x, y, mask, count)  # its prototype, set up outside the loss (it draws a key)
+    numpyro.handlers.seed(auto, 0)(x, y, mask, count)  # its prototype, set up outside the loss (it draws a key); 7 s
     renamed = {renamed_name(k, sites): v for k, v in params.items()}
 
     def loss(guide, p, k):
         return vi.svi.loss.loss(k, p, vi.numpyro_model, guide, x, y, mask, count)
 
+    value, grad = jax.jit(loss, static_argnums=0), jax.jit(jax.grad(loss, 1), static_argnums=0)
     for k in jax.random.split(key, 3):
-        np.testing.assert_allclose(loss(vi.guide, params, k), loss(auto, renamed, k), rtol=1e-6)
-    ours, theirs = jax.grad(loss, 1)(vi.guide, params, key), jax.grad(loss, 1)(auto, renamed, key)
+        np.testing.assert_allclose(value(vi.guide, params, k), value(auto, renamed, k), rtol=1e-6)
+    ours, theirs = grad(vi.guide, params, key), grad(auto, renamed, key)
     chex.assert_trees_all_close({renamed_name(k, sites): g for k, g in ours.items()}, theirs, rtol=1e-5, atol=1e-7)
     # an SVI step moves the unconstrained params: the same scales only through the same (softplus) constraint
     auto_svi = SVI(vi.numpyro_model, auto, vi.svi.optim, vi.svi.loss)
-    state, auto_state = vi.init_svi_state(key, x, y, count, posterior), auto_svi.init(key, x, y, mask, count, init_params=renamed)
-    stepped = vi.svi.get_params(vi.svi.update(state, x, y, mask, count)[0])
+    auto_state = jax.jit(lambda p: auto_svi.init(key, x, y, mask, count, init_params=p))(renamed)
+    stepped = vi.svi.get_params(jax.jit(vi.svi.update)(state, x, y, mask, count)[0])
     chex.assert_trees_all_close({renamed_name(k, sites): v for k, v in stepped.items()},
-                                auto_svi.get_params(auto_svi.update(auto_state, x, y, mask, count)[0]), rtol=1e-5)
+                                auto_svi.get_params(jax.jit(auto_svi.update)(auto_state, x, y, mask, count)[0]),
+                                rtol=1e-5)
 
 
 def test_guide_samples_the_models_latent_sites_in_its_order():
