@@ -120,7 +120,7 @@ def test_guide_is_numpyros_autonormal_written_out(vi_model):
     sites = {f"net/{name}" for name in vi.variational}
     assert {k for k in params if k.endswith(("_loc", "_scale"))} == {f"{s}_{p}" for s in sites for p in ("loc", "scale")}
     auto = AutoNormal(vi.numpyro_model, init_scale=config.init_scale)
-    numpyro.handlers.seed(auto, 0)(x, y, mask, count)  # its prototype, set up outside the loss (it draws a key); 7 s
+    numpyro.handlers.seed(auto, 0)(x, y, mask, count)  # its prototype, set up outside the loss (it draws a key)
     renamed = {renamed_name(k, sites): v for k, v in params.items()}
 
     def loss(guide, p, k):
@@ -149,7 +149,7 @@ def test_guide_samples_the_models_latent_sites_in_its_order():
     key = jax.random.PRNGKey(0)
     x, y, mask, count = jax.random.uniform(key, (2, 8, 8, 1)), jnp.arange(2), jnp.ones(2), jnp.float32(2)
     def latent(trace):
-        return [(name, site["fn"].event_shape) for name, site in trace.items()
+        return [(name, site["fn"].batch_shape, site["fn"].event_shape) for name, site in trace.items()
                 if site["type"] == "sample" and not site["is_observed"]]
 
     traces = {}
@@ -166,8 +166,9 @@ def test_guide_samples_the_models_latent_sites_in_its_order():
 
     jax.eval_shape(record, key)
     assert traces["guide"] == traces["model"] and len(traces["guide"]) == len(vi.variational)
-    assert {"params." + name.removeprefix("net/") for name, _ in traces["guide"]} == vi.variational  # wire paths
-    assert any(name.endswith(".bias") for name, _ in traces["guide"])
+    # wire paths: a BatchNorm model's Flax params sit under "params"
+    assert {"params." + name.removeprefix("net/") for name, *_ in traces["guide"]} == vi.variational
+    assert any(name.endswith(".bias") for name, *_ in traces["guide"])
 
 
 def renamed_name(name: str, sites: set) -> str:

@@ -1,5 +1,6 @@
 """Round engine: backend parity, chunking, padding, the cohort mask, metrics, determinism, no recompiles."""
 import dataclasses
+import functools
 import math
 
 import chex
@@ -590,9 +591,10 @@ def test_a_fixed_step_epoch_traces_its_step_once(monkeypatch):
     """``engine.scanned_steps``: where the unroll decision measures the step (an accelerator, epoch short), the
     scan replays the jaxpr it traced, so the Python step runs once, as where the scan traces the step itself (a
     CPU; an unroll given). Used as ``local_training`` uses it (an epoch scan around it, under the client vmap,
-    the step closing over per-client values and the epoch's key, a cond inside), the replay gives the values and
-    gradients of the step traced again, and the same lowered module (which a JAX release lowering a replayed
-    jaxpr's constants differently would break)."""
+    the epochs under a cond, the step closing over per-client values and the epoch's key, with a cond and a grad
+    inside), the replay gives the values and gradients of the step traced again and of a Python loop of steps,
+    and the same lowered module (which a JAX release lowering a replayed jaxpr's constants differently would
+    break)."""
     from bfedjax.core import engine, layout
     calls, decided = [], []
     real_decision = layout.auto_unroll_local_steps
@@ -603,21 +605,36 @@ def test_a_fixed_step_epoch_traces_its_step_once(monkeypatch):
 
     monkeypatch.setattr(layout, "auto_unroll_local_steps", decision)
 
+    def one_step(j, local, shift, epoch_key):
+        calls.append(j)
+        w = jax.lax.cond(j % 2 == 0, lambda w: w * 0.5, lambda w: w + 1.0, local["w"]) + shift
+        w = w - 0.1 * jax.grad(lambda w: jnp.sum(jax.nn.softplus(w)))(w)  # a client step differentiates
+        noise = jax.random.normal(jax.random.fold_in(epoch_key, j), w.shape)
+        return {"w": w + 0.1 * noise, "n": (local["n"][0] + 1,), "key": jax.random.fold_in(local["key"], j)}
+
+    initial = {"w": jnp.arange(3.0), "n": (jnp.int32(0),), "key": jax.random.key(1)}
+
+    def readable(local):
+        return {**local, "key": jax.random.key_data(local["key"])}
+
     def epochs(shift, platform, unroll):
+        """As local_training: epochs under a scan, skipped by a cond (a select under the vmap) for no data."""
         def epoch(local, e):
             epoch_key = jax.random.fold_in(jax.random.key(7), e)
-
-            def step(j, local):
-                calls.append(j)
-                w = jax.lax.cond(j % 2 == 0, lambda w: w * 0.5, lambda w: w + 1.0, local["w"]) + shift
-                noise = jax.random.normal(jax.random.fold_in(epoch_key, j), w.shape)
-                return {"w": w + 0.1 * noise, "n": (local["n"][0] + 1,), "key": jax.random.fold_in(local["key"], j)}
-
+            step = functools.partial(one_step, shift=shift, epoch_key=epoch_key)
             return engine.scanned_steps(step, local, 4, platform, unroll), None
 
-        local = {"w": jnp.arange(3.0), "n": (jnp.int32(0),), "key": jax.random.key(1)}
-        out = jax.lax.scan(epoch, local, jnp.arange(2))[0]
-        return {**out, "key": jax.random.key_data(out["key"])}
+        def train(local):
+            return jax.lax.scan(epoch, local, jnp.arange(2))[0]
+
+        return readable(jax.lax.cond(shift > -5.0, train, lambda local: local, initial))
+
+    def in_python(shift):
+        local = initial
+        for e in range(2):
+            for j in range(4):
+                local = one_step(jnp.int32(j), local, shift, jax.random.fold_in(jax.random.key(7), e))
+        return readable(local)
 
     shifts = jnp.array([0.0, 1.0, -2.0])
     results = {}
@@ -628,8 +645,8 @@ def test_a_fixed_step_epoch_traces_its_step_once(monkeypatch):
         assert len(calls) == 1 and decided == expected_decision
     chex.assert_trees_all_equal(results["gpu", None], results["gpu", 4])
     chex.assert_trees_all_close(results["gpu", None], results["cpu", None], rtol=1e-6)  # one step per iteration
-    expected = epochs(shifts[1], "cpu", None)  # eagerly: scan bodies traced, no vmap, no jit
-    chex.assert_trees_all_close(jax.tree.map(lambda x: x[1], results["gpu", None]), expected, rtol=1e-6)
+    for client, shift in enumerate(shifts):
+        chex.assert_trees_all_close(jax.tree.map(lambda x: x[client], results["gpu", None]), in_python(shift), rtol=1e-5)
     grads = {u: jax.grad(lambda s: epochs(s, "gpu", u)["w"].sum())(1.0) for u in (None, 4)}
     assert grads[None] == grads[4] and grads[None] != 0
     text = {u: jax.jit(lambda s: epochs(s, "gpu", u)).lower(1.0).as_text(debug_info=False) for u in (None, 4)}

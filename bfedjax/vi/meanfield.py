@@ -155,7 +155,8 @@ class MeanFieldVI:
         The same guide as NumPyro's ``AutoNormal`` over this model (whose sites are all unconstrained,
         unplated Normals), written out: ``AutoNormal`` sets itself up on its first call by finding
         initial values valid for the model's potential energy and its gradient (a forward and backward
-        pass of the network), 5.7 of the 15.6 s of a profiled first trace of a variational ResNet-20 round,
+        pass of the network), 5.7 of the 15.6 s of a first trace of a variational ResNet-20 round under cProfile
+        (``results/bench/session15_cpu_trace/profile.txt``),
         for values ``init_svi_state`` always replaces. The model's ``args`` are unused; returns ``None``
         (SVI reads the trace).
         ``kl_weight`` (``[]``, may be traced, > 0) multiplies the ELBO's KL term

@@ -1,4 +1,5 @@
-"""BFL variants, 2 rounds on digits; server leaves saved to the .npz named (compare across checkouts)."""
+"""BFL variants, 2 rounds on digits; server leaves saved to the .npz named (compare across checkouts with compare_npz.py).
+PYTHONPATH=<checkout> python bfl_same.py OUT.npz [VARIANT,...] (default: all four)"""
 import sys, time, numpy as np, jax
 import bfedjax as bf
 print(bf.__file__)
@@ -8,7 +9,8 @@ fed = bf.data.stack_clients(data.x_train, data.y_train, parts, x_test=data.x_tes
 out = {}
 variants = {"mlp_flipout": ("mlp", {}), "mlp_lrt_biases": ("mlp", {"gradient_estimator": "local_reparameterization", "variational_biases": True}),
             "mlp_reparam": ("mlp", {"gradient_estimator": "reparameterization"}), "resnet20": ("resnet20", {})}
-for name, (m, kw) in variants.items():
+chosen = sys.argv[2].split(",") if len(sys.argv) > 2 else list(variants)
+for name, (m, kw) in ((n, variants[n]) for n in chosen):
     model = bf.models.get_model(m, 10, **({"hidden": (32,)} if m == "mlp" else {}))
     algo = bf.algorithms.build("bfl", model, fed, batch_size=32, **kw)
     t = time.perf_counter()

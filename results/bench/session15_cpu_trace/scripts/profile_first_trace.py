@@ -1,5 +1,6 @@
 """cProfile of the first trace of the variational ResNet-20 round on the accelerators' path (as trace_gpu_path.py),
-cumulative seconds of the functions named. Run from the repository root: PYTHONPATH=. python profile_first_trace.py"""
+cumulative seconds of the functions named. Run from the repository root:
+PYTHONPATH=. python results/bench/session15_cpu_trace/scripts/profile_first_trace.py"""
 import cProfile, io, os, pstats, runpy, sys
 script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trace_gpu_path.py")
 source = open(script).read().replace("for i in range(3):", "for i in range(1):")
