@@ -58,6 +58,11 @@ def _path_name(path: tuple) -> str:
     return ".".join(str(p) for p in path)
 
 
+def _guide_param(name: str, kind: str) -> str:
+    """The guide's param of site ``net/<name>``: ``kind`` ``"loc"`` or ``"scale"``."""
+    return f"{NET}/{name}_{kind}"
+
+
 def _is_variational(path: tuple, variational_biases: bool) -> bool:
     """Kernels always; biases only on option and never those of normalisation layers."""
     if path[-1] == "kernel":
@@ -168,11 +173,12 @@ class MeanFieldVI:
             if kl_weight is not None:
                 stack.enter_context(numpyro.handlers.scale(scale=kl_weight))
             for name, leaf in self._site_shapes.items():
-                site = f"{NET}/{name}"
-                loc = numpyro.param(f"{site}_loc", jnp.zeros(leaf.shape, leaf.dtype))
-                scale = numpyro.param(f"{site}_scale", jnp.full(leaf.shape, self.config.init_scale, leaf.dtype),
+                # initial values built only where no params are given (init_svi_state always gives them)
+                loc = numpyro.param(_guide_param(name, "loc"), lambda _, leaf=leaf: jnp.zeros(leaf.shape, leaf.dtype))
+                scale = numpyro.param(_guide_param(name, "scale"),
+                                      lambda _, leaf=leaf: jnp.full(leaf.shape, self.config.init_scale, leaf.dtype),
                                       constraint=constraints.softplus_positive)
-                numpyro.sample(site, dist.Normal(loc, scale).to_event(leaf.ndim))  # one event, as the model's prior
+                numpyro.sample(f"{NET}/{name}", dist.Normal(loc, scale).to_event(leaf.ndim))  # one event, as the prior
 
     def numpyro_model(self, x, y, mask, count, prior_loc=None, prior_scale=None, kl_weight=None):
         """x ``[B, ...]``, y ``[B]``, mask ``[B]``, count ``[]``; optional prior pytrees (global posterior).
@@ -214,10 +220,10 @@ class MeanFieldVI:
             path = wire_path[len(self._prefix):]  # inside the Flax params
             if path[-1] != "kernel":
                 continue
-            mean = numpyro.param(f"{NET}/{name}_loc")
+            mean = numpyro.param(_guide_param(name, "loc"))
             if mean is None:
                 return net
-            per_layer[path[:-1]] = (sampled[path] - mean) if flipout else numpyro.param(f"{NET}/{name}_scale")
+            per_layer[path[:-1]] = (sampled[path] - mean) if flipout else numpyro.param(_guide_param(name, "scale"))
             sampled[path] = mean
         key = numpyro.prng_key()
         if key is None:
@@ -240,8 +246,8 @@ class MeanFieldVI:
         # a fresh container: random_flax_module rewrites the entries of the params dict it is given
         out = {f"{NET}$params": jax.tree.map(lambda v: v, flax_params)}
         for name, path in self._sites.items():
-            out[f"{NET}/{name}_loc"] = flat_loc[path]
-            out[f"{NET}/{name}_scale"] = flat_scale[path]
+            out[_guide_param(name, "loc")] = flat_loc[path]
+            out[_guide_param(name, "scale")] = flat_scale[path]
         if self.stateful:
             out[STATE] = {"batch_stats": posterior["params"]["batch_stats"]}
         return out
@@ -253,8 +259,8 @@ class MeanFieldVI:
         for path, value in flat.items():
             name = _path_name(path)
             if name in self._sites:
-                loc[path] = svi_params[f"{NET}/{name}_loc"]
-                scale[path] = svi_params[f"{NET}/{name}_scale"]
+                loc[path] = svi_params[_guide_param(name, "loc")]
+                scale[path] = svi_params[_guide_param(name, "scale")]
             else:
                 loc[path], scale[path] = value, jnp.zeros_like(value)
         loc, scale = traverse_util.unflatten_dict(loc), traverse_util.unflatten_dict(scale)
