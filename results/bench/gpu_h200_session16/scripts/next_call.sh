@@ -1,0 +1,34 @@
+#!/bin/bash
+# Prepared for the next session with a GPU (not yet run): one call, about 7 minutes.
+# 1. The ResNet-20 compile at HEAD and at d833bca (before session 15's guide and replay) on one machine:
+#    separates the host from the code (session 16: 25.7 and 31.5 s on two H200 machines).
+# 2. FedAvg's factored dense update (the saved patch) and the same on large kernels only (on top of it)
+#    against HEAD; if the large-kernels variant is >5% faster at MLP K=100 and no slower at K=1000 and on
+#    the FedReg CNN, the FedAvg target rows with it.
+# Preparation, here, from the repository root (.gpu/ is in .git/info/exclude), then run with carry [".gpu"]:
+#   S=results/bench/gpu_h200_session16/scripts; rm -rf .gpu && mkdir -p .gpu/data .gpu/head .gpu/old .gpu/v2 .gpu/v3
+#   cp /usr/share/datasets/fashion-mnist/*.gz .gpu/data/; cp $S/ctime.py $S/next_call.sh .gpu/
+#   cp results/bench/gpu_h100_targets/scripts/prof_round.py .gpu/
+#   git archive HEAD bfedjax experiments | tar -x -C .gpu/head; git archive d833bca bfedjax experiments | tar -x -C .gpu/old
+#   for v in v2 v3; do git archive HEAD bfedjax experiments | tar -x -C .gpu/$v; done
+#   (cd .gpu/v2 && patch -p1 < ../../$S/factored_dense_update.patch)
+#   (cd .gpu/v3 && patch -p1 < ../../$S/factored_dense_update.patch && patch -p1 < ../../$S/large_kernels_only.patch)
+export PYTHONUNBUFFERED=1 BFEDJAX_DATA_DIR=$PWD/.gpu/data
+G=$PWD/.gpu; nvidia-smi -L; lscpu | grep "Model name"; date +%T
+for c in head old head; do (cd $G/$c && PYTHONPATH=$PWD timeout 90 python3 $G/ctime.py 2>&1 | grep CTIME | sed "s/^/$c /"); done | tee $OUT/ctime.txt
+SPECS="100:fedavg:mlp:4 1000:fedavg:mlp:4 100:fedavg:fedreg_cnn:4"
+for c in head v2 v3; do (cd $G/$c && PYTHONPATH=$PWD NOPROF=1 timeout 90 python3 $G/prof_round.py $SPECS 2>&1 | grep TIME | sed "s/^/$c /"); done | tee $OUT/probes.txt
+date +%T
+WIN=$(python3 -c "
+import re; t={}
+for l in open('$OUT/probes.txt'):
+    m=re.match(r'(\w+) TIME (\S+) .*median ([\d.]+) ms', l)
+    if m: t[(m[1],m[2])]=float(m[3])
+a,b,c='100:fedavg:mlp:4','1000:fedavg:mlp:4','100:fedavg:fedreg_cnn:4'
+try: print('v3' if t['v3',a]<0.95*t['head',a] and t['v3',b]<=1.02*t['head',b] and t['v3',c]<=1.03*t['head',c] else 'head')
+except KeyError: print('head')")
+echo "bench: $WIN" | tee -a $OUT/probes.txt
+[ "$WIN" = v3 ] && (cd $G/v3 && PYTHONPATH=$PWD timeout 240 python3 -m experiments.bench --noquick \
+  --only="mlp K=100 B=10,mlp K=1000 B=10,fedreg_cnn K=100" --algorithms=fedavg \
+  --backends=vmap,torch.func+compile,centralised --output_dir=$OUT/bench 2>&1 | grep -v "Warn\|warn" > $OUT/bench.log)
+grep "^| \(mlp\|fed\)\|ceiling\|torch.func" $OUT/bench/bench.md 2>/dev/null; date +%T
