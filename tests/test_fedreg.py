@@ -225,3 +225,32 @@ def test_bad_options_raise(tiny_model):
         bf.algorithms.fedreg(tiny_model, granularity="per_epoch")
     with pytest.raises(ValueError, match="without BatchNorm or dropout"):
         bf.algorithms.fedreg(bf.models.get_model("mlp", 10, hidden=(8,), dropout_rate=0.2))
+
+
+def _numpy_loss(w, x, y):
+    """Mean softmax cross-entropy of the linear model ``x @ w`` (numpy, float64)."""
+    logits = x.astype(np.float64) @ w.astype(np.float64)
+    logits -= logits.max(axis=1, keepdims=True)
+    log_p = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+    return float(-log_p[np.arange(len(y)), y].mean())
+
+
+def test_forgetting_gap_is_the_papers_loss_difference():
+    from bfedjax.core import ClientData
+    from bfedjax.metrics.forgetting import forgetting_gap
+    rng = np.random.default_rng(0)
+    apply_fn = lambda w, x: x @ w  # noqa: E731
+    theta = rng.normal(size=(6, 4)).astype(np.float32)
+    local = rng.normal(size=(3, 6, 4)).astype(np.float32)
+    local[2] = np.nan  # a padding slot: left out
+    x = rng.normal(size=(2, 5, 6)).astype(np.float32)
+    y = rng.integers(0, 4, size=(2, 5)).astype(np.int32)
+    counts = np.array([5, 3], np.int32)  # client 1's last two rows are padding
+    previous = ClientData(jnp.asarray(x), jnp.asarray(y), jnp.asarray(counts))
+    gap = forgetting_gap(apply_fn, jnp.asarray(theta), jnp.asarray(local), jnp.array([1.0, 1.0, 0.0]), previous)
+    expected = [np.mean([_numpy_loss(local[j], x[i, :c], y[i, :c]) for j in (0, 1)]) - _numpy_loss(theta, x[i, :c],
+                                                                                                  y[i, :c])
+                for i, c in enumerate(counts)]
+    np.testing.assert_allclose(np.asarray(gap), expected, rtol=1e-5, atol=1e-6)
+    unchanged = forgetting_gap(apply_fn, jnp.asarray(theta), jnp.stack([jnp.asarray(theta)] * 2), jnp.ones(2), previous)
+    np.testing.assert_allclose(np.asarray(unchanged), 0.0, atol=1e-6)

@@ -1,7 +1,10 @@
-"""Metrics: accuracy / loss inside jit, uncertainty of MC predictives, round-curve summaries, and segmentation.
+"""Metrics: accuracy / loss inside jit, uncertainty of MC predictives, round-curve summaries, segmentation and
+forgetting.
 
 ``bfedjax.metrics.segmentation`` (Dice, IoU, HD95, the FedRef authors' soft metrics) loads on first use:
-it needs optax, which the core pieces of the library do not.
+it needs optax, which the core pieces of the library do not. ``bfedjax.metrics.forgetting`` (FedReg's
+forgetting gap across rounds) loads on first use too: it imports the engine (``bfedjax.core``), which
+imports this package.
 """
 import importlib
 
@@ -11,10 +14,10 @@ from bfedjax.metrics.rounds import best_so_far, rounds_to_fraction, rounds_to_ta
 
 
 def __getattr__(name):
-    if name == "segmentation":
-        return importlib.import_module("bfedjax.metrics.segmentation")
+    if name in ("forgetting", "segmentation"):
+        return importlib.import_module(f"bfedjax.metrics.{name}")
     raise AttributeError(f"module 'bfedjax.metrics' has no attribute {name!r}")
 
 
-__all__ = ["accuracy", "evaluate", "best_so_far", "rounds_to_fraction", "rounds_to_target", "segmentation",
-           "uncertainty"]
+__all__ = ["accuracy", "evaluate", "best_so_far", "forgetting", "rounds_to_fraction", "rounds_to_target",
+           "segmentation", "uncertainty"]
