@@ -56,7 +56,7 @@ fedreg-one-class: install-dev
 
 # FedReg's forgetting diagnostic (App. B.1, Fig. 2): FedAvg and FedReg clients from FedReg's global model
 fedreg-forgetting: install-dev
-	$(PYTHON) -m experiments.fedreg_forgetting
+	$(PYTHON) -m experiments.fedreg_forgetting --seeds=0,1,2
 
 # Gradient inversion vs accuracy: FedAvg, FedAvg + DP-SGD, FedReg + MG (about 6 minutes)
 fedreg-privacy: install-dev

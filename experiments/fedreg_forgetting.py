@@ -146,7 +146,7 @@ def report(runs: list[dict]) -> str:
         "global model. Gap = mean over the previous round's clients of (mean loss of this round's local models "
         "on the client's data) - (loss of the global model the round started from on it).",
         "",
-        "| method | mean gap, rounds 2-T (mean ± sd over seeds) | gap, round 2 | gap, last round |",
+        "| method | mean gap, rounds 2-T (mean ± sd over seeds, ddof 0) | gap, round 2 | gap, last round |",
         "|---|---|---|---|",
     ]
     for m in METHODS:
