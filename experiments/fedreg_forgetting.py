@@ -13,8 +13,8 @@ local models on that client's data less the loss of ``theta^(t-1)`` on it. The r
 round (mean over the previous round's clients), its mean over rounds, the rounds where FedReg's gap is the
 smaller, and FedReg's test accuracy.
 
-FedReg's rounds are ``simulate``'s (the engine's cohort sampling, ``local_training`` vmapped over the
-cohort, and ``finish_round``), composed here because ``simulate`` does not return the local models.
+The rounds are ``bfedjax.metrics.forgetting.forgetting_rounds``: FedReg's are ``simulate``'s (one vmap
+over the cohort), composed from the engine's pieces because ``simulate`` does not return the local models.
 Each finished seed is saved to the JSON at once, so a rerun resumes where a crash stopped it.
 """
 from __future__ import annotations
@@ -45,70 +45,8 @@ flags.DEFINE_bool("resume", True, "Reuse finished seeds found in the JSON beside
 METHODS = ("fedavg", "fedreg")  # FedReg's local models make the next global model
 
 
-def forgetting_rounds(algorithms: dict, apply_fn, fed, key, rounds: int, clients_per_round: int) -> dict:
-    """The protocol's rounds: ``{"gap": {name: [rounds - 1] mean gap per round}, "accuracy": [rounds]}``.
-
-    ``apply_fn``: ``(params, x [n, ...]) -> logits``, the algorithms' model. ``algorithms["fedreg"]`` makes the
-    global models as ``simulate`` runs it with one vmap over the cohort (its cohorts, keys, aggregation and
-    evaluation, clients unweighted, the initial model from ``round_key(key, 0)``); every algorithm in
-    ``algorithms`` trains the round's clients from that round's global model with the same data and keys, and
-    its local models give its gap (``metrics.forgetting.forgetting_gap`` over the previous round's clients,
-    non-finite local models left out as the engine leaves them out).
-    """
-    import jax
-    import jax.numpy as jnp
-    from bfedjax.core import ClientContext, RoundConfig, init_state, local_training, round_arrays, sample_cohort
-    from bfedjax.core.engine import client_inputs, finish_round, finite_rows, server_key_of
-    from bfedjax.core.simulate import round_key, traced_hparams
-    from bfedjax.metrics.forgetting import forgetting_gap
-
-    main_algorithm = algorithms["fedreg"]
-    config = RoundConfig(num_clients=fed.num_clients, clients_per_round=clients_per_round, evaluate_local=False)
-    arrays = round_arrays(fed, "uniform")
-    state = init_state(main_algorithm, main_algorithm.init_params(round_key(key, 0), fed.input_shape), config)
-    sample = jax.jit(lambda rk: sample_cohort(config, arrays, rk, main_algorithm.batch_size,
-                                              main_algorithm.local_epochs))
-    cohort_data = jax.jit(jax.vmap(lambda cid: client_inputs(state, arrays, config, cid, 0)[0]))
-    finish = jax.jit(lambda *args: finish_round(main_algorithm, config, *args))
-
-    def local_models(algorithm):
-        """``(server, ClientData [K, ...], keys [K], budgets [K], hparams) -> (messages, metrics, finite [K])``."""
-        def one(server, data, client_key, budget, hparams):
-            message, _, metrics = local_training(algorithm, ClientContext(server, (), data, hparams), client_key,
-                                                 budget)
-            return message, metrics
-
-        def cohort(server, data, keys, budgets, hparams):
-            messages, metrics = jax.vmap(one, in_axes=(None, 0, 0, 0, None))(server, data, keys, budgets, hparams)
-            return messages, metrics, finite_rows(messages, keys.shape[0])
-        return jax.jit(cohort)
-
-    train = {name: local_models(algorithm) for name, algorithm in algorithms.items()}
-    gap_of = jax.jit(lambda theta, local, mask, previous: jnp.mean(forgetting_gap(apply_fn, theta, local, mask,
-                                                                                  previous)))
-    gaps, accuracy, previous = {name: [] for name in algorithms}, [], None
-    for t in range(1, rounds + 1):
-        rk = round_key(key, t)
-        cohort = sample(rk)
-        data = cohort_data(cohort.ids)
-        theta = main_algorithm.global_params(state.server)
-        outputs = {}
-        for name, algorithm in algorithms.items():
-            server = state.server if algorithm is main_algorithm else algorithm.server_init(theta)
-            outputs[name] = train[name](server, data, cohort.keys, cohort.budgets, traced_hparams(algorithm, t))
-            if previous is not None:
-                messages, _, finite = outputs[name]
-                gaps[name].append(float(gap_of(theta, messages["params"], cohort.mask * finite, previous)))
-        messages, metrics, finite = outputs["fedreg"]
-        state, round_metrics = finish(state, arrays, cohort, messages, metrics, finite, state.persistent,
-                                      traced_hparams(main_algorithm, t), server_key_of(rk))
-        accuracy.append(float(round_metrics["global_accuracy"]))
-        previous = data
-    return {"gap": gaps, "accuracy": accuracy}
-
-
 def run_one(seed: int) -> dict:
-    """One seed's rounds: ``forgetting_rounds``'s dict with ``seed`` and ``seconds``."""
+    """One seed's rounds: ``metrics.forgetting.forgetting_rounds``'s dict with ``seed`` and ``seconds``."""
     import jax
     import bfedjax as bf
 
@@ -121,8 +59,8 @@ def run_one(seed: int) -> dict:
     algorithms = {m: algorithm_flags.build(algorithm_flags.parse_flagfile(os.path.join(FLAGS.presets, f"{m}.flags")),
                                            model, fed, setting=setting) for m in METHODS}
     start = time.perf_counter()
-    out = forgetting_rounds(algorithms, bf.models.apply.apply_fn_of(model), fed, jax.random.PRNGKey(seed),
-                            FLAGS.rounds, FLAGS.clients_per_round)
+    out = bf.metrics.forgetting.forgetting_rounds(algorithms, "fedreg", bf.models.apply.apply_fn_of(model), fed,
+                                                  jax.random.PRNGKey(seed), FLAGS.rounds, FLAGS.clients_per_round)
     return {"seed": seed, **out, "seconds": time.perf_counter() - start}
 
 

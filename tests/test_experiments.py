@@ -352,37 +352,16 @@ def test_fedreg_one_class_script_smoke(tmp_path):
 
 def test_fedreg_forgetting_script_smoke(tmp_path):
     out_file = tmp_path / "forgetting.md"
-    _script("experiments.fedreg_forgetting", "--model=mlp", "--rounds=3", "--num_clients=30", "--local_epochs=1",
+    _script("experiments.fedreg_forgetting", "--model=mlp", "--rounds=2", "--num_clients=20", "--local_epochs=1",
             f"--results_file={out_file}")
     text = out_file.read_text()
-    assert "| fedavg | " in text and "| fedreg | " in text and "| 3 | " in text
+    assert "| fedavg | " in text and "| fedreg | " in text and "| 2 | " in text
     runs = json.loads(out_file.with_suffix(".json").read_text())["runs"]
-    assert len(runs) == 1 and len(runs[0]["accuracy"]) == 3
+    assert len(runs) == 1 and len(runs[0]["accuracy"]) == 2
     gap = runs[0]["gap"]
-    assert len(gap["fedavg"]) == len(gap["fedreg"]) == 2
+    assert len(gap["fedavg"]) == len(gap["fedreg"]) == 1
     # one-class clients: training on this round's classes raises the loss on the previous round's
     assert gap["fedavg"][0] > 0 and gap["fedavg"] != gap["fedreg"]
-
-
-def test_forgetting_rounds_follow_simulate_and_start_from_its_global_model():
-    """FedReg's trajectory is ``simulate``'s; a FedAvg that does not move (lr 0) forgets nothing, which holds
-    only when the gap is taken against the model the round's clients started from."""
-    import jax
-    import bfedjax as bf
-    from experiments.fedreg_forgetting import forgetting_rounds
-    data = bf.data.load("mnist_5k", pixels="unit")
-    fed = bf.data.from_partition(data, bf.data.single_class(data.y_train, 30, seed=0, samples_per_client=20))
-    model = bf.models.get_model("mlp", 10)
-    fedreg = bf.algorithms.build("fedreg", model, fed, lr=0.2, gamma=1.0, local_epochs=1, batch_size=20)
-    frozen = bf.algorithms.build("fedavg", model, fed, lr=0.0, clip_norm=None, local_epochs=1, batch_size=20)
-    key = jax.random.PRNGKey(3)
-    out = forgetting_rounds({"fedavg": frozen, "fedreg": fedreg}, bf.models.apply.apply_fn_of(model), fed, key,
-                            rounds=3, clients_per_round=5)
-    reference = bf.simulate(fedreg, fed, rounds=3, key=key, clients_per_round=5, client_weights="uniform",
-                            clients_per_chunk=None, evaluate_local=False)
-    np.testing.assert_allclose(out["accuracy"], reference.metrics["global_accuracy"], rtol=0, atol=1e-6)
-    assert len(out["gap"]["fedavg"]) == 2 and max(abs(g) for g in out["gap"]["fedavg"]) < 1e-5
-    assert min(out["gap"]["fedreg"]) > 0.1  # FedReg's clients did move, on other classes than the previous round's
 
 
 def test_fedreg_privacy_script_smoke(tmp_path):

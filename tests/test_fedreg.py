@@ -254,3 +254,22 @@ def test_forgetting_gap_is_the_papers_loss_difference():
     np.testing.assert_allclose(np.asarray(gap), expected, rtol=1e-5, atol=1e-6)
     unchanged = forgetting_gap(apply_fn, jnp.asarray(theta), jnp.stack([jnp.asarray(theta)] * 2), jnp.ones(2), previous)
     np.testing.assert_allclose(np.asarray(unchanged), 0.0, atol=1e-6)
+
+
+def test_forgetting_rounds_follow_simulate_and_start_from_its_global_model():
+    """FedReg's trajectory is ``simulate``'s; a FedAvg that does not move (lr 0) forgets nothing, which holds
+    only when the gap is taken against the model the round's clients started from."""
+    from bfedjax.metrics.forgetting import forgetting_rounds
+    data = bf.data.load("mnist_5k", pixels="unit")
+    fed = bf.data.from_partition(data, bf.data.single_class(data.y_train, 30, seed=0, samples_per_client=20))
+    model = bf.models.get_model("mlp", 10)
+    fedreg = bf.algorithms.build("fedreg", model, fed, lr=0.2, gamma=1.0, local_epochs=1, batch_size=20)
+    frozen = bf.algorithms.build("fedavg", model, fed, lr=0.0, clip_norm=None, local_epochs=1, batch_size=20)
+    key = jax.random.PRNGKey(3)
+    out = forgetting_rounds({"fedavg": frozen, "fedreg": fedreg}, "fedreg", apply_fn_of(model), fed, key, rounds=3,
+                            clients_per_round=5)
+    reference = bf.simulate(fedreg, fed, rounds=3, key=key, clients_per_round=5, client_weights="uniform",
+                            clients_per_chunk=None, evaluate_local=False)
+    np.testing.assert_allclose(out["accuracy"], reference.metrics["global_accuracy"], rtol=0, atol=1e-6)
+    assert len(out["gap"]["fedavg"]) == 2 and max(abs(g) for g in out["gap"]["fedavg"]) < 1e-5
+    assert min(out["gap"]["fedreg"]) > 0.1  # FedReg's clients did move, on other classes than the previous round's

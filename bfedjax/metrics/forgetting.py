@@ -7,7 +7,8 @@ round produced and the local models ``theta^(t,j)`` that round ``t``'s clients `
     loss^(t)(i)   = (1/|D_i|) sum_{d in D_i} (1/|C^(t)|) sum_{j in C^(t)} L_{theta^(t,j)}(d)
 
 and the gap ``loss^(t)(i) - loss^(t-1)(i)``: how much round ``t``'s local training raises the loss on the data
-that shaped the model it started from. ``L`` is the softmax cross-entropy.
+that shaped the model it started from. ``L`` is the softmax cross-entropy. ``forgetting_rounds`` runs the
+paper's protocol: several algorithms' clients train the global models one of them makes.
 """
 from __future__ import annotations
 
@@ -53,3 +54,75 @@ def forgetting_gap(apply_fn: Callable, global_params, local_params, local_mask: 
     after = (jnp.sum(jnp.where(real[:, None], per_model, 0.0), axis=0)
              / jnp.maximum(jnp.sum(real.astype(per_model.dtype)), 1.0))
     return after - client_losses(apply_fn, global_params, previous)
+
+
+def forgetting_rounds(algorithms: dict, trajectory: str, apply_fn: Callable, fed, key: jax.Array, rounds: int,
+                      clients_per_round: int) -> dict:
+    """Rounds of the paper's Fig. 2 protocol: every algorithm's clients train the same global models.
+
+    ``algorithms[trajectory]`` makes the global models as ``simulate`` runs it with one vmap over the cohort
+    (its cohorts, keys, aggregation and evaluation; clients unweighted; the initial model from
+    ``round_key(key, 0)``). Every round, each algorithm in ``algorithms`` trains that round's clients from the
+    round's global model, with the same data and keys, and its local models give its gap: ``forgetting_gap``
+    over the previous round's clients, non-finite local models left out as the engine leaves them out.
+    (FedReg's Fig. 2: ``{"fedavg": ..., "fedreg": ...}`` with ``trajectory="fedreg"``.) The algorithms send
+    their local model as ``message["params"]`` and keep no persistent client state.
+
+    Args:
+      algorithms: ``{name: Algorithm}``.
+      trajectory: the name of the algorithm whose aggregated models the rounds follow.
+      apply_fn: ``(params, x [n, ...]) -> logits``, the algorithms' model.
+      fed: the ``FederatedData``.
+      key: the run's key (as ``simulate``'s).
+      rounds: ``T``.
+      clients_per_round: ``K``.
+    Returns:
+      ``{"gap": {name: [T - 1] floats, the mean gap over the previous round's clients, rounds 2..T},
+      "accuracy": [T] floats, the trajectory's global accuracy after each round}``.
+    """
+    from bfedjax.core import ClientContext, RoundConfig, init_state, local_training, round_arrays, sample_cohort
+    from bfedjax.core.engine import client_inputs, finish_round, finite_rows, server_key_of
+    from bfedjax.core.simulate import round_key, traced_hparams
+
+    main = algorithms[trajectory]
+    config = RoundConfig(num_clients=fed.num_clients, clients_per_round=clients_per_round, evaluate_local=False)
+    arrays = round_arrays(fed, "uniform")
+    state = init_state(main, main.init_params(round_key(key, 0), fed.input_shape), config)
+    sample = jax.jit(lambda rk: sample_cohort(config, arrays, rk, main.batch_size, main.local_epochs))
+    cohort_data = jax.jit(jax.vmap(lambda cid: client_inputs(state, arrays, config, cid, 0)[0]))
+    finish = jax.jit(lambda *args: finish_round(main, config, *args))
+
+    def local_models(algorithm):
+        """``(server, ClientData [K, ...], keys [K], budgets [K], hparams) -> (messages, metrics, finite [K])``."""
+        def one(server, data, client_key, budget, hparams):
+            message, _, metrics = local_training(algorithm, ClientContext(server, (), data, hparams), client_key,
+                                                 budget)
+            return message, metrics
+
+        def cohort(server, data, keys, budgets, hparams):
+            messages, metrics = jax.vmap(one, in_axes=(None, 0, 0, 0, None))(server, data, keys, budgets, hparams)
+            return messages, metrics, finite_rows(messages, keys.shape[0])
+        return jax.jit(cohort)
+
+    train = {name: local_models(algorithm) for name, algorithm in algorithms.items()}
+    mean_gap = jax.jit(lambda theta, local, mask, previous: jnp.mean(forgetting_gap(apply_fn, theta, local, mask,
+                                                                                    previous)))
+    gaps, accuracy, previous = {name: [] for name in algorithms}, [], None
+    for t in range(1, rounds + 1):
+        rk = round_key(key, t)
+        cohort = sample(rk)
+        data = cohort_data(cohort.ids)
+        theta = main.global_params(state.server)
+        outputs = {}
+        for name, algorithm in algorithms.items():
+            server = state.server if name == trajectory else algorithm.server_init(theta)
+            outputs[name] = train[name](server, data, cohort.keys, cohort.budgets, traced_hparams(algorithm, t))
+            if previous is not None:
+                messages, _, finite = outputs[name]
+                gaps[name].append(float(mean_gap(theta, messages["params"], cohort.mask * finite, previous)))
+        messages, metrics, finite = outputs[trajectory]
+        state, round_metrics = finish(state, arrays, cohort, messages, metrics, finite, state.persistent,
+                                      traced_hparams(main, t), server_key_of(rk))
+        accuracy.append(float(round_metrics["global_accuracy"]))
+        previous = data
+    return {"gap": gaps, "accuracy": accuracy}
