@@ -77,8 +77,8 @@ def forgetting_rounds(algorithms: dict, trajectory: str, apply_fn: Callable, fed
       rounds: ``T``.
       clients_per_round: ``K``.
     Returns:
-      ``{"gap": {name: [T - 1] floats, the mean gap over the previous round's clients, rounds 2..T},
-      "accuracy": [T] floats, the trajectory's global accuracy after each round}``.
+      A dict: ``"gap"`` maps each name to ``T - 1`` floats, the mean gap over the previous round's clients in
+      rounds ``2 .. T``; ``"accuracy"`` holds ``T`` floats, the trajectory's global accuracy after each round.
     """
     from bfedjax.core import ClientContext, RoundConfig, init_state, local_training, round_arrays, sample_cohort
     from bfedjax.core.engine import client_inputs, finish_round, finite_rows, server_key_of
