@@ -88,8 +88,10 @@ def forgetting_rounds(algorithms: dict, trajectory: str, apply_fn: Callable, fed
     config = RoundConfig(num_clients=fed.num_clients, clients_per_round=clients_per_round, evaluate_local=False)
     arrays = round_arrays(fed, "uniform")
     state = init_state(main, main.init_params(round_key(key, 0), fed.input_shape), config)
-    sample = jax.jit(lambda rk: sample_cohort(config, arrays, rk, main.batch_size, main.local_epochs))
-    cohort_data = jax.jit(jax.vmap(lambda cid: client_inputs(state, arrays, config, cid, 0)[0]))
+    # the federation's arrays are arguments, not constants baked into the compiled functions
+    sample = jax.jit(lambda arrays, rk: sample_cohort(config, arrays, rk, main.batch_size, main.local_epochs))
+    cohort_data = jax.jit(lambda state, arrays, ids: jax.vmap(
+        lambda cid: client_inputs(state, arrays, config, cid, 0)[0])(ids))
     finish = jax.jit(lambda *args: finish_round(main, config, *args))
 
     def local_models(algorithm):
@@ -110,8 +112,8 @@ def forgetting_rounds(algorithms: dict, trajectory: str, apply_fn: Callable, fed
     gaps, accuracy, previous = {name: [] for name in algorithms}, [], None
     for t in range(1, rounds + 1):
         rk = round_key(key, t)
-        cohort = sample(rk)
-        data = cohort_data(cohort.ids)
+        cohort = sample(arrays, rk)
+        data = cohort_data(state, arrays, cohort.ids)
         theta = main.global_params(state.server)
         outputs = {}
         for name, algorithm in algorithms.items():
