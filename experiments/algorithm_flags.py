@@ -29,8 +29,9 @@ from bfedjax.algorithms.abavg import WEIGHTINGS as ABAVG_WEIGHTINGS
 from bfedjax.algorithms.fml import WEIGHTINGS as FML_WEIGHTINGS
 from bfedjax.algorithms.hbfl import NLL_FORMS, SIGMA_MODES, TEACHERS
 from bfedjax.algorithms.hbfl import WEIGHTINGS as HBFL_WEIGHTINGS
-from bfedjax.algorithms.fola import FISHER_MODES, NORMALISATIONS, PRECISION_MODES, PROFILES
+from bfedjax.algorithms.fola import FISHER_MODES, LAPLACE_VARIANTS, NORMALISATIONS, PRECISION_MODES, PROFILES
 from bfedjax.algorithms.local_sgd import OPTIMIZERS
+from bfedjax.laplace.hessian import EIGEN_ORDERS
 from bfedjax.algorithms.registry import ALGORITHMS
 from bfedjax.algorithms.robust import ROBUST_RULES
 from bfedjax.algorithms.scaffold import OPTIONS as SCAFFOLD_OPTIONS
@@ -55,6 +56,8 @@ OPTION_FLAGS = {
     "dp_noise": ("dp_noise", ("fedavg", "fedsgd", "fedprox", "fedcurv")),
     "fola_profile": ("profile", ("fola",)),
     "fisher": ("fisher", ("fola", "fedcurv")),
+    "laplace": ("laplace", ("fola",)),
+    "eigen_order": ("eigen_order", ("fola",)),
     "normalisation": ("normalisation", ("fola",)),
     "precision_mode": ("precision_mode", ("fola",)),
     "damping": ("damping", ("fola",)),
@@ -163,6 +166,11 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     enum("fola_profile", tuple(PROFILES), "fola: preset of the options below.")
     enum("fisher", FISHER_MODES,
          "fola, fedcurv: Fisher estimator (fedcurv: not offline; its FedReg-authors form uses per_sample_sq).")
+    enum("laplace", LAPLACE_VARIANTS, "fola: Laplace approximation (Sec. IV-E): diagonal_fisher (default), full (the "
+         "exact Hessian as a [d, d] precision; small models such as --model=logistic) or e_full (its eigenvalues on a "
+         "diagonal); online unless --fisher=offline.")
+    enum("eigen_order", EIGEN_ORDERS, "fola --laplace=e_full: diagonal_rank (default: the k-th largest eigenvalue "
+         "to the k-th largest Hessian diagonal entry) or solver (ascending).")
     enum("normalisation", NORMALISATIONS, "fola: Fisher normalisation.")
     enum("precision_mode", PRECISION_MODES, "fola: precision state (Eq. 24/25).")
     number(flags.DEFINE_float, "damping", "fola: Fisher damping delta.")

@@ -25,15 +25,22 @@ from bfedjax import plots
 from experiments import errors
 
 
-def run_all(flagfile: str, runs: list[str], output_dir: str, extra: list[str]) -> dict:
+def run_all(flagfile: str, runs: list[str], output_dir: str, extra: list[str], report_only: bool = False) -> dict:
+    """``{label: {"rounds": [per-round metrics], "summary": summary.json}}`` of each run (``report_only``: read
+    from ``output_dir/<label>`` as an earlier comparison left them, nothing run)."""
     results = {}
     for spec in runs:
         label, _, flags = spec.partition(":")
         out = os.path.join(output_dir, label)
         cmd = [sys.executable, "-m", "experiments.run", f"--flagfile={flagfile}", *flags.split(), *extra,
                f"--output_dir={out}"]
-        print("$", " ".join(cmd), flush=True)
-        _run(label, cmd)
+        if report_only:
+            if not os.path.exists(os.path.join(out, "summary.json")):
+                raise app.UsageError(f"--report_only: run {label} has no {out}/summary.json; fix: run the comparison "
+                                     "without --report_only")
+        else:
+            print("$", " ".join(cmd), flush=True)
+            _run(label, cmd)
         with open(os.path.join(out, "metrics.jsonl")) as f:
             rounds = [json.loads(line) for line in f]
         with open(os.path.join(out, "summary.json")) as f:
@@ -67,12 +74,13 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def per_round_table(results: dict) -> str:
+def per_round_table(results: dict, metric: str = "global_accuracy", short: str = "GA") -> str:
+    """A markdown table of ``metric`` per round, one column ``<label> <short>`` per run."""
     labels = list(results)
     n = max(len(r["rounds"]) for r in results.values())
-    lines = ["| round | " + " | ".join(f"{l} GA" for l in labels) + " |", "|" + "---|" * (len(labels) + 1)]
+    lines = ["| round | " + " | ".join(f"{l} {short}" for l in labels) + " |", "|" + "---|" * (len(labels) + 1)]
     for i in range(n):
-        cells = [f"{results[l]['rounds'][i]['global_accuracy']:.4f}" if i < len(results[l]["rounds"]) else "" for l in labels]
+        cells = [f"{results[l]['rounds'][i][metric]:.4f}" if i < len(results[l]["rounds"]) else "" for l in labels]
         lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -92,14 +100,19 @@ def main(argv=None):
     parser.add_argument("--output_dir", default="out/compare")
     parser.add_argument("--results_file", default=None, help="Also write the tables as markdown here.")
     parser.add_argument("--title", default="Comparison")
+    parser.add_argument("--report_only", action="store_true",
+                        help="Write the report from the runs already in --output_dir (run nothing).")
     args, extra = parser.parse_known_args(argv)
     if not os.path.exists(args.flagfile):
         raise app.UsageError(f"--flagfile {args.flagfile} does not exist; fix: pass one of experiments/configs/*.flags")
-    results = run_all(args.flagfile, args.runs, args.output_dir, extra)
+    results = run_all(args.flagfile, args.runs, args.output_dir, extra, args.report_only)
     source = next(iter(results.values()))["summary"]["source"]
     text = (f"## {args.title}\n\nData: {source}. Command:\n\n```\npython -m experiments.compare "
             + shlex.join(sys.argv[1:] if argv is None else argv) + f"\n```\n\n{table(results)}\n\nGA per round:\n\n"
             + per_round_table(results) + "\n")
+    if all("local_accuracy" in r for res in results.values() for r in res["rounds"]):
+        text += "\nLA per round (the local models before aggregation):\n\n" + per_round_table(
+            results, "local_accuracy", "LA") + "\n"
     if args.results_file:
         png = os.path.splitext(args.results_file)[0] + ".png"
         text += f"\n![GA (solid) and LA (dashed) per round]({os.path.basename(png)})\n"

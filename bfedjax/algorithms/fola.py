@@ -11,14 +11,26 @@ Options (spec ``shared/specs/fola.md`` section 3; defaults are the spec's):
 fisher                 which Fisher: "batch_mean_sq" (authors' code) | "per_sample_sq"
                        (Eq. 21/22) | "alg1_raw" (Algorithm 1) | "offline" (one pass at the
                        final weights, reset every round: the Fig. 9a ablation)
+laplace                the Laplace approximation of Sec. IV-E: "diagonal_fisher" (the method's, with the
+                       ``fisher`` estimator) | "full" (the exact Hessian of the mean cross-entropy, a
+                       ``[d, d]`` precision over the raveled parameters: full-matrix prior, message,
+                       product and solve; small models only) | "e_full" (that Hessian's eigenvalues on a
+                       diagonal, then the diagonal method). Both Hessian variants are online unless
+                       ``fisher="offline"``: the batches' exact Hessians at the weights of each step,
+                       summed over an epoch (divided by the client's count) and averaged over the
+                       epochs (spec D24); offline is the mean-loss Hessian at the final weights, reset
+                       every round. Online, the round's Hessian combines with the global precision as
+                       ``precision_mode`` says (``normalisation`` is for the Fisher only)
+eigen_order            e_full: which eigenvalue goes where (``laplace.hessian.eigenvalue_diagonal``):
+                       "diagonal_rank" (D24: the k-th largest to the k-th largest diag(H)) | "solver"
 normalisation          "sum_over_epochs" (code) | "mean_over_steps" (Eq. 22, 1/T)
 precision_mode         "running_sum": omega_n = omega_S + F, prior precision omega_S / r
                        "running_average": Lambda_n = F / r + (r-1)/r Lambda_S (Eq. 24),
                        prior precision Lambda_S (Eq. 25)
 offline_fisher_estimator  the estimator of the "offline" Fisher pass
-damping                delta added to F (Eq. 20)
+damping                delta added to F (Eq. 20; to the Hessian's diagonal for "full")
 eps                    product denominator guard (code 1e-5; paper 0)
-gamma                  extra prior precision added every round
+gamma                  extra prior precision added every round (gamma I for "full")
 prior_grad             False reproduces the released code (prior detached)
 clip_norm              global-norm clip of the total gradient (code 10)
 lam                    traced hyper-parameter; 0 gives "aggregation only"
@@ -51,24 +63,30 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.flatten_util import ravel_pytree
 
-from bfedjax.algorithms.local_sgd import make_sgd_client
+from bfedjax.algorithms.local_sgd import HESSIAN, make_sgd_client
 from bfedjax.core.types import COHORT_WEIGHT, Algorithm
 from bfedjax.laplace.fisher import FISHER_ESTIMATORS, offline_fisher
+from bfedjax.laplace.hessian import EIGEN_ORDERS, eigenvalue_diagonal, offline_hessian
 from bfedjax.models.apply import apply_fn_of
-from bfedjax.posteriors.aggregation import gaussian_product_from_stats, gaussian_product_stats
-from bfedjax.posteriors.gaussian import DiagGaussian
+from bfedjax.posteriors.aggregation import (gaussian_product_from_stats, gaussian_product_full_from_stats,
+                                            gaussian_product_full_stats, gaussian_product_stats)
+from bfedjax.posteriors.gaussian import DensePrecision, DiagGaussian
 from bfedjax.tasks import classification
 from bfedjax.tree import tree_zeros_like
 
 FISHER_MODES = FISHER_ESTIMATORS + ("offline",)
 NORMALISATIONS = ("sum_over_epochs", "mean_over_steps")
 PRECISION_MODES = ("running_sum", "running_average")
+LAPLACE_VARIANTS = ("diagonal_fisher", "full", "e_full")
 
 
 @dataclasses.dataclass(frozen=True)
 class FolaConfig:
     fisher: str = "batch_mean_sq"
+    laplace: str = "diagonal_fisher"
+    eigen_order: str = "diagonal_rank"
     normalisation: str = "sum_over_epochs"
     precision_mode: str = "running_sum"
     offline_fisher_estimator: str = "batch_mean_sq"
@@ -84,6 +102,10 @@ class FolaConfig:
 
     def __post_init__(self):
         _check("fisher", self.fisher, FISHER_MODES)
+        _check("laplace", self.laplace, LAPLACE_VARIANTS)
+        _check("eigen_order", self.eigen_order, EIGEN_ORDERS)
+        if self.laplace == "full" and self.prune_p is not None:
+            raise ValueError("FOLA prune_p compresses a diagonal precision; fix: drop prune_p with laplace='full'")
         _check("normalisation", self.normalisation, NORMALISATIONS)
         _check("precision_mode", self.precision_mode, PRECISION_MODES)
         _check("offline_fisher_estimator", self.offline_fisher_estimator, FISHER_ESTIMATORS)
@@ -125,13 +147,21 @@ def prune_precision(precision, p: float):
 
 
 def prior_precision(server, round_index, cfg: FolaConfig):
-    """Precision of the client prior in round ``round_index`` (1-based) from the server state."""
+    """Precision of the client prior in round ``round_index`` (1-based) from the server state (for
+    ``laplace="full"`` a ``DensePrecision``)."""
     precision = server["precision"]
     if cfg.fisher != "offline" and cfg.precision_mode == "running_sum":
         precision = jax.tree.map(lambda w: w * (1.0 / round_index), precision)  # a product XLA fuses into each use
     if cfg.gamma:
-        precision = jax.tree.map(lambda w: w + cfg.gamma, precision)
-    return precision
+        precision = with_diagonal_added(precision, cfg.gamma, cfg)
+    return DensePrecision(precision) if cfg.laplace == "full" else precision
+
+
+def with_diagonal_added(precision, value: float, cfg: FolaConfig):
+    """``precision`` plus ``value`` on every coordinate's own precision (``value I`` for a full matrix)."""
+    if cfg.laplace == "full":
+        return precision + value * jnp.eye(precision.shape[0], dtype=precision.dtype)
+    return jax.tree.map(lambda w: w + value, precision)
 
 
 def fola(model, *, lr: float = 0.01, lam: float = 1e3, local_epochs: int = 1, batch_size: int = 32,
@@ -143,7 +173,8 @@ def fola(model, *, lr: float = 0.01, lam: float = 1e3, local_epochs: int = 1, ba
     if unknown:
         raise ValueError(f"unknown FOLA options {sorted(unknown)}; valid: {[f.name for f in dataclasses.fields(FolaConfig)]}")
     cfg = dataclasses.replace(PROFILES[profile], **options)
-    online = cfg.fisher if cfg.fisher != "offline" else None
+    hessian_based, dense = cfg.laplace != "diagonal_fisher", cfg.laplace == "full"
+    online = None if cfg.fisher == "offline" else HESSIAN if hessian_based else cfg.fisher
     apply_fn = apply_fn_of(model)
 
     def prior(ctx):
@@ -153,13 +184,20 @@ def fola(model, *, lr: float = 0.01, lam: float = 1e3, local_epochs: int = 1, ba
     # Default path: the message's precision S + F (running sum, Fisher summed over the epochs) accumulates
     # in place from S, rather than F from zeros and then a sum over the model: a pass fewer per client.
     summed_onto_server = (cfg.fisher != "offline" and cfg.precision_mode == "running_sum"
-                          and cfg.normalisation == "sum_over_epochs")
+                          and cfg.normalisation == "sum_over_epochs" and not hessian_based)
     client_init, client_step = make_sgd_client(
         model, prior_fn=prior, fisher=online, clip_norm=cfg.clip_norm, momentum=cfg.momentum,
         prior_grad=cfg.prior_grad, fisher_init=(lambda ctx: ctx.server["precision"]) if summed_onto_server else None)
 
     def round_fisher(local, ctx):
-        """The client's Fisher F for this round (before combining with the global precision)."""
+        """The client's Fisher F for this round (before combining with the global precision): with
+        ``laplace="full"`` the round's Hessian ``[d, d]``, with ``"e_full"`` its eigenvalues as a pytree."""
+        if hessian_based:
+            hessian = (offline_hessian(apply_fn, local.params, ctx.data, batch_size) if cfg.fisher == "offline"
+                       else local.fisher / local_epochs)  # the mean of the epochs' Hessians (spec D24)
+            if not dense:
+                hessian = ravel_pytree(local.params)[1](eigenvalue_diagonal(hessian, cfg.eigen_order))
+            return with_diagonal_added(hessian, cfg.damping, cfg) if cfg.damping else hessian
         if cfg.fisher == "offline":
             fisher = offline_fisher(apply_fn, local.params, ctx.data, batch_size, cfg.offline_fisher_estimator)
         elif cfg.normalisation == "sum_over_epochs":
@@ -185,20 +223,30 @@ def fola(model, *, lr: float = 0.01, lam: float = 1e3, local_epochs: int = 1, ba
         return {"params": local.params, "precision": precision}, (), {}
 
     def server_init(params):
+        if dense:
+            flat = ravel_pytree(params)[0]
+            return {"params": params, "precision": jnp.zeros((flat.size, flat.size), flat.dtype)}
         return {"params": params, "precision": tree_zeros_like(params)}
 
     def client_stats(message):
+        if dense:
+            return gaussian_product_full_stats(ravel_pytree(message["params"])[0], message["precision"])
         return gaussian_product_stats(DiagGaussian(message["params"], message["precision"]))
 
     def server_from_stats(server, stats, mask, hparams, key):
         """``stats = (sum_c w_c omega_c theta_c, sum_c w_c omega_c)`` with ``w [C]`` summing to 1; ``fixed_pi``
         scales both by ``hparams["cohort_weight"]`` (``[]``), making the weights the un-renormalised pi_n."""
-        del server, mask, key
+        del mask, key
         if cfg.fixed_pi:
             stats = scaled_to_fixed_pi(stats, hparams)
-        posterior = gaussian_product_from_stats(stats, cfg.eps)
-        metrics = precision_diagnostics(posterior.precision) if cfg.precision_diagnostics else {}
-        return {"params": posterior.mean, "precision": posterior.precision}, metrics
+        if dense:
+            mean, precision = gaussian_product_full_from_stats(stats, cfg.eps)
+            params = ravel_pytree(server["params"])[1](mean)
+        else:
+            posterior = gaussian_product_from_stats(stats, cfg.eps)
+            params, precision = posterior.mean, posterior.precision
+        metrics = precision_diagnostics(precision) if cfg.precision_diagnostics else {}
+        return {"params": params, "precision": precision}, metrics
 
     def scaled_to_fixed_pi(stats, hparams):
         if COHORT_WEIGHT not in (hparams or {}):
@@ -208,8 +256,9 @@ def fola(model, *, lr: float = 0.01, lam: float = 1e3, local_epochs: int = 1, ba
         return jax.tree.map(lambda s: s * jnp.asarray(share, s.dtype), stats)
 
     def precision_diagnostics(precision):
-        """Spec section 7: share of coordinates with Lambda_S < eps and the median Lambda_S."""
-        flat = jnp.concatenate([p.ravel() for p in jax.tree.leaves(precision)])
+        """Spec section 7: share of coordinates with Lambda_S < eps and the median Lambda_S (for a full
+        matrix, of its diagonal: each coordinate's own precision)."""
+        flat = jnp.diagonal(precision) if dense else jnp.concatenate([p.ravel() for p in jax.tree.leaves(precision)])
         return {"precision_below_eps": jnp.mean(flat < max(cfg.eps, 1e-30)),
                 "precision_median": jnp.median(flat)}
 

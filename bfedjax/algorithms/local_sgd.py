@@ -3,7 +3,8 @@
 FedAvg, FedProx, FedCurv and FOLA all train locally with the same step:
 
     g      = grad of the batch-mean cross-entropy        (one backward pass,
-    F     += Fisher increment of the batch                which also yields F)
+    F     += Fisher increment of the batch                which also yields F; or the batch's
+                                                          exact Hessian, a [d, d] matrix)
     g     += lam * precision * (theta - center)          (prior / proximal term; lam is a traced
                                                           hyper-parameter, FedProx calls it mu)
     theta -= lr * clip_by_global_norm(g)                 (optax direction)
@@ -23,12 +24,14 @@ import optax
 from bfedjax.core.types import Batch, ClientContext
 from bfedjax.laplace.fisher import (FISHER_ESTIMATORS, grad_and_fisher, increment_from_batch_grad,
                                     train_mode_grad_and_fisher)
+from bfedjax.laplace.hessian import batch_hessian
+from bfedjax.losses import masked_mean_cross_entropy
 from bfedjax.models.apply import apply_fn_of, has_batch_stats, needs_train_mode, train_apply_fn_of
-from bfedjax.posteriors.gaussian import broadcast_precision
+from bfedjax.posteriors.gaussian import DensePrecision, broadcast_precision
 from bfedjax.privacy.dp import private_gradient
 from bfedjax.tree import tree_squared_norm, tree_zeros_like
 
-# prior_fn(ctx) -> (center pytree, precision pytree or scalar) or None.
+# prior_fn(ctx) -> (center pytree, precision pytree, scalar or posteriors.DensePrecision) or None.
 PriorFn = Callable[[ClientContext], Any]
 # correction_fn(ctx) -> pytree added to every step's gradient (SCAFFOLD: c - c_i).
 CorrectionFn = Callable[[ClientContext], Any]
@@ -48,6 +51,9 @@ class LocalState(NamedTuple):
 
 
 OPTIMIZERS = ("sgd", "adam")
+# the online curvature that accumulates each batch's exact Hessian over the raveled parameters (laplace.hessian)
+HESSIAN = "hessian"
+ONLINE_CURVATURES = FISHER_ESTIMATORS + (HESSIAN,)
 
 
 def direction_transform(clip_norm: float | None, momentum: float = 0.0,
@@ -78,10 +84,13 @@ def make_sgd_client(model, *, prior_fn: PriorFn | None = None, prior_weight: str
     Args:
       model: Flax module.
       prior_fn: gives the quadratic prior ``lam/2 * sum precision (theta - center)^2``
-        from the client context; ``None`` for plain SGD.
+        from the client context (with a ``posteriors.DensePrecision``,
+        ``lam/2 (theta - center)^T matrix (theta - center)`` over the raveled parameters); ``None`` for plain SGD.
       prior_weight: the hyper-parameter that is ``lam`` above (``"lam"``; FedProx: ``"mu"``).
       fisher: online Fisher estimator accumulated into ``LocalState.fisher``
-        (one of ``laplace.FISHER_ESTIMATORS``) or ``None``.
+        (one of ``laplace.FISHER_ESTIMATORS``), ``"hessian"`` (``HESSIAN``: each batch's exact Hessian of
+        its summed cross-entropy over the raveled parameters, divided by the client's sample count, into a
+        ``[d, d]`` accumulator; small models only) or ``None``.
       fisher_init: ``ctx -> pytree like the parameters``, where the Fisher sum starts (default
         zeros). FOLA starts it at the server's precision when its message is that plus the sum,
         which saves the client a pass over the model.
@@ -105,10 +114,13 @@ def make_sgd_client(model, *, prior_fn: PriorFn | None = None, prior_weight: str
     update the running averages carried in ``params``.
     Hyper-parameters read from ``ctx.hparams``: ``lr``, and ``prior_weight`` when there is a prior.
     """
-    if fisher is not None and fisher not in FISHER_ESTIMATORS:
-        raise ValueError(f"fisher={fisher!r}; choose one of {FISHER_ESTIMATORS} or None")
+    if fisher is not None and fisher not in ONLINE_CURVATURES:
+        raise ValueError(f"fisher={fisher!r}; choose one of {ONLINE_CURVATURES} or None")
     apply_fn = apply_fn_of(model)
     train_apply = train_apply_fn_of(model) if needs_train_mode(model) else None
+    if fisher == HESSIAN and (train_apply is not None or dp_clip is not None):
+        raise ValueError("the exact Hessian takes a model without BatchNorm or dropout and no DP-SGD; "
+                         "fix: pick another model or a diagonal Fisher")
     if dp_clip is not None:
         if dp_clip <= 0 or dp_noise < 0:
             raise ValueError(f"DP-SGD needs dp_clip > 0 and dp_noise >= 0, got {dp_clip}, {dp_noise}")
@@ -135,6 +147,10 @@ def make_sgd_client(model, *, prior_fn: PriorFn | None = None, prior_weight: str
             loss, grad = private_gradient(apply_fn, params, batch, key, clip_norm=dp_clip, noise_multiplier=dp_noise)
             m = jnp.maximum(count.astype(jnp.float32), 1.0)
             return loss, grad, increment_from_batch_grad(grad, batch, m, fisher), params
+        if fisher == HESSIAN:
+            loss, grad = jax.value_and_grad(masked_mean_cross_entropy, argnums=1)(apply_fn, params, batch)
+            m = jnp.maximum(count.astype(jnp.float32), 1.0)
+            return loss, grad, batch_hessian(apply_fn, params, batch) / m, params
         if train_apply is None:
             loss, grad, increment = grad_and_fisher(apply_fn, params, batch, count, fisher)
             return loss, grad, increment, params
@@ -145,6 +161,9 @@ def make_sgd_client(model, *, prior_fn: PriorFn | None = None, prior_weight: str
         params = ctx.server["params"]
         if fisher is None:
             acc = ()
+        elif fisher == HESSIAN:
+            d = sum(leaf.size for leaf in jax.tree.leaves(params))
+            acc = fisher_init(ctx) if fisher_init is not None else jnp.zeros((d, d), jnp.float32)
         else:
             acc = (jax.tree.map(lambda a, p: jnp.asarray(a, p.dtype), fisher_init(ctx), params)
                    if fisher_init is not None else tree_zeros_like(params))
@@ -163,11 +182,14 @@ def make_sgd_client(model, *, prior_fn: PriorFn | None = None, prior_weight: str
         if prior_fn is not None and prior_grad:
             center, precision = prior_fn(ctx)
             lam = ctx.hparams[prior_weight]
-            precision = broadcast_precision(precision, params)
-            if expanded_prior:
+            if isinstance(precision, DensePrecision):  # no expanded form: the clip norm reads the same pull
+                grad = jax.tree.map(lambda g, p: g + lam * p, grad, precision.pull(params, center))
+            elif expanded_prior:
+                precision = broadcast_precision(precision, params)
                 weight = jax.tree.map(lambda p: lam * p, precision)
                 grad = jax.tree.map(lambda g, w, t, c: (g + w * t) - w * c, grad, weight, params, center)
             else:
+                precision = broadcast_precision(precision, params)
                 grad = jax.tree.map(lambda g, t, c, p: g + lam * p * (t - c), grad, params, center, precision)
             if has_batch_stats(model):  # running statistics follow the batches, never the prior
                 grad = {**grad, "batch_stats": tree_zeros_like(grad["batch_stats"])}

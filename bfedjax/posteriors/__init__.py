@@ -2,16 +2,19 @@
 from bfedjax.posteriors import robust, weighting
 from bfedjax.posteriors.aggregation import (DWC_GUARDS, RULES, aggregate, centered_linear_pool, conflation,
                                             distributed_weight_consolidation, gaussian_product,
-                                            gaussian_product_from_stats, gaussian_product_full, gaussian_product_stats, linear_pool,
+                                            gaussian_product_from_stats, gaussian_product_full,
+                                            gaussian_product_full_from_stats, gaussian_product_full_stats,
+                                            gaussian_product_stats, linear_pool,
                                             log_linear_pool, moment_matched_mixture, nwa, weighted_conflation,
                                             weighted_mean, weighted_sum_of_normals)
-from bfedjax.posteriors.gaussian import (DiagGaussian, from_scale, from_variance, kl_divergence, log_density,
+from bfedjax.posteriors.gaussian import (DensePrecision, DiagGaussian, from_scale, from_variance, kl_divergence, log_density,
                                          quadratic_penalty, rho_to_scale, scale_to_rho, softplus_inverse)
 
 __all__ = [
-    "DWC_GUARDS", "RULES", "DiagGaussian", "aggregate", "centered_linear_pool", "conflation",
+    "DWC_GUARDS", "RULES", "DensePrecision", "DiagGaussian", "aggregate", "centered_linear_pool", "conflation",
     "distributed_weight_consolidation", "from_scale", "from_variance", "gaussian_product",
-    "gaussian_product_from_stats", "gaussian_product_full", "gaussian_product_stats", "kl_divergence", "linear_pool", "log_density",
+    "gaussian_product_from_stats", "gaussian_product_full", "gaussian_product_full_from_stats",
+    "gaussian_product_full_stats", "gaussian_product_stats", "kl_divergence", "linear_pool", "log_density",
     "log_linear_pool", "moment_matched_mixture", "nwa", "quadratic_penalty", "rho_to_scale", "scale_to_rho",
     "robust", "softplus_inverse", "weighted_conflation", "weighted_mean", "weighted_sum_of_normals", "weighting",
 ]

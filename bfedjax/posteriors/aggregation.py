@@ -75,21 +75,37 @@ def gaussian_product(stacked: DiagGaussian, weights: jax.Array, eps: float = 0.0
     return gaussian_product_from_stats(weighted_sum(stats, weights), eps)
 
 
-def gaussian_product_full(means: jax.Array, precisions: jax.Array, weights: jax.Array):
-    """The product of full-covariance Gaussians raised to powers ``w_k`` (HBFL Eqs. 3.11-3.12).
+def gaussian_product_full_stats(mean: jax.Array, precision: jax.Array):
+    """One client's sufficient statistics of the full-covariance product: ``(precision @ mean [d], precision [d, d])``."""
+    return precision @ mean, precision
+
+
+def gaussian_product_full_from_stats(summed_stats, eps: float = 0.0):
+    """``(mean [d], precision [d, d])``: the product from ``sum_k w_k * gaussian_product_full_stats(mean_k,
+    precision_k)``, ``mean = (precision + eps I)^{-1} sum_k w_k precision_k mean_k``; ``eps`` guards the
+    directions no client has information about, as in the diagonal ``gaussian_product_from_stats``."""
+    eta, precision = summed_stats
+    guarded = precision + eps * jnp.eye(precision.shape[0], dtype=precision.dtype) if eps else precision
+    return jnp.linalg.solve(guarded, eta), precision
+
+
+def gaussian_product_full(means: jax.Array, precisions: jax.Array, weights: jax.Array, eps: float = 0.0):
+    """The product of full-covariance Gaussians raised to powers ``w_k`` (HBFL Eqs. 3.11-3.12; FOLA Eq. 12
+    with full matrices, its Sec. IV-E "full" Laplace).
 
     ``Lambda_g = sum_k w_k Lambda_k``, ``mu_g = Lambda_g^{-1} sum_k w_k Lambda_k mu_k``: with the
     local least-squares solutions and ``Lambda_k = X_k^T X_k / sigma^2`` (Appendix A) and
     ``w_k = 1`` it is the global least-squares solution. Small ``d`` only (a ``d x d`` solve).
 
     Args:
-      means: ``[K, d]``; precisions: ``[K, d, d]`` symmetric positive definite; weights: ``[K]``.
+      means: ``[K, d]``; precisions: ``[K, d, d]`` symmetric positive definite (positive semi-definite
+        with ``eps > 0``); weights: ``[K]``.
     Returns:
       ``(mean [d], precision [d, d])``.
     """
-    precision = jnp.einsum("k,kij->ij", weights, precisions)
-    eta = jnp.einsum("k,kij,kj->i", weights, precisions, means)
-    return jnp.linalg.solve(precision, eta), precision
+    eta, precision = jax.vmap(gaussian_product_full_stats)(means, precisions)
+    summed = (jnp.einsum("k,ki->i", weights, eta), jnp.einsum("k,kij->ij", weights, precision))
+    return gaussian_product_full_from_stats(summed, eps)
 
 
 def moment_matched_mixture(stacked: DiagGaussian, weights: jax.Array) -> DiagGaussian:

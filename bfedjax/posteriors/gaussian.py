@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.flatten_util import ravel_pytree
 
 
 class DiagGaussian(NamedTuple):
@@ -41,6 +42,18 @@ def log_density(posterior: DiagGaussian, theta) -> jax.Array:
     return sum(jax.tree.leaves(jax.tree.map(leaf, posterior.mean, posterior.precision, theta)))
 
 
+class DensePrecision(NamedTuple):
+    """A full precision matrix ``[d, d]`` over a parameter pytree raveled by ``jax.flatten_util.ravel_pytree``
+    (FOLA's "full" Laplace prior), where the other precisions are pytrees or scalars."""
+
+    matrix: jax.Array
+
+    def pull(self, theta, center):
+        """The gradient of ``0.5 (theta - center)^T matrix (theta - center)``: a pytree like ``theta``."""
+        flat_theta, unravel = ravel_pytree(theta)
+        return unravel(self.matrix @ (flat_theta - ravel_pytree(center)[0]))
+
+
 def broadcast_precision(precision, like):
     """A scalar precision becomes a pytree shaped like ``like``; a pytree passes through."""
     if jax.tree.structure(precision) == jax.tree.structure(like):
@@ -51,8 +64,12 @@ def broadcast_precision(precision, like):
 def quadratic_penalty(theta, center, precision) -> jax.Array:
     """0.5 * sum_i precision_i (theta_i - center_i)^2 over a pytree (the Eq. 15 prior loss).
 
-    ``precision`` may be a pytree like ``theta`` or a scalar (FedProx: 1).
+    ``precision`` may be a pytree like ``theta``, a scalar (FedProx: 1) or a ``DensePrecision``
+    (``0.5 (theta - center)^T matrix (theta - center)``).
     """
+    if isinstance(precision, DensePrecision):
+        diff = ravel_pytree(theta)[0] - ravel_pytree(center)[0]
+        return 0.5 * diff @ (precision.matrix @ diff)
     precision = broadcast_precision(precision, theta)
     terms = jax.tree.map(lambda t, c, p: jnp.sum(p * jnp.square(t - c)), theta, center, precision)
     return 0.5 * sum(jax.tree.leaves(terms))
