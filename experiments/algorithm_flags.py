@@ -58,6 +58,7 @@ OPTION_FLAGS = {
     "fisher": ("fisher", ("fola", "fedcurv")),
     "laplace": ("laplace", ("fola",)),
     "eigen_order": ("eigen_order", ("fola",)),
+    "offline_accumulates": ("offline_accumulates", ("fola",)),
     "normalisation": ("normalisation", ("fola",)),
     "precision_mode": ("precision_mode", ("fola",)),
     "damping": ("damping", ("fola",)),
@@ -171,6 +172,9 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> None:
          "diagonal); online unless --fisher=offline.")
     enum("eigen_order", EIGEN_ORDERS, "fola --laplace=e_full: diagonal_rank (default: the k-th largest eigenvalue "
          "to the k-th largest Hessian diagonal entry) or solver (ascending).")
+    boolean("offline_accumulates", "fola --fisher=offline: combine the offline curvature with the global precision "
+            "as --precision_mode says (default for --laplace=full/e_full, spec D24) or send it alone, reset every round "
+            "(--nooffline_accumulates; default for the diagonal Fisher, the authors' offline code).")
     enum("normalisation", NORMALISATIONS, "fola: Fisher normalisation.")
     enum("precision_mode", PRECISION_MODES, "fola: precision state (Eq. 24/25).")
     number(flags.DEFINE_float, "damping", "fola: Fisher damping delta.")

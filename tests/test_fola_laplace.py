@@ -74,6 +74,8 @@ def test_eigenvalue_diagonal_keeps_the_spectrum_in_the_diagonals_rank_order():
     np.testing.assert_allclose(np.sort(ranked), eigenvalues, rtol=1e-5)
     np.testing.assert_array_equal(np.argsort(ranked), np.argsort(np.diag(h)))  # the k-th largest to the k-th largest
     np.testing.assert_allclose(eigenvalue_diagonal(jnp.asarray(h, jnp.float32), "solver"), eigenvalues, rtol=1e-5)
+    indefinite = np.diag([-2.0, 1.0, 3.0]).astype(np.float32)  # a precision is not negative
+    np.testing.assert_allclose(eigenvalue_diagonal(jnp.asarray(indefinite), "solver"), [0.0, 1.0, 3.0])
     with pytest.raises(ValueError, match="eigen_order='largest'; choose one of"):
         eigenvalue_diagonal(jnp.asarray(h), "largest")
 
@@ -112,26 +114,34 @@ def client_message(algo, halves, client, server, round_index=1):
     return local_training(algo, ctx, jax.random.PRNGKey(client))[0], data
 
 
+def mean_ce_gradient(apply_fn, params, x, y):
+    return jax.grad(lambda p: jnp.mean(bf.losses.cross_entropy(apply_fn(p, x), y)))(params)
+
+
 @pytest.mark.parametrize("fisher", ["offline", "per_sample_sq"])
 def test_full_fola_sends_the_mean_loss_hessian_and_the_server_solves_the_product(halves, logistic, fisher):
-    """Round 1 (no prior yet): offline, the client's precision is the Hessian at its trained weights; online at
-    lr 0 (weights frozen) over 2 epochs, the batches' Hessians summed per epoch and averaged over the epochs give
-    the same matrix. The server's mean solves the weighted product with eps (float64 oracle)."""
+    """Round 1 (no prior yet), one batch per epoch, 2 epochs: offline, the client's precision is the Hessian at
+    its trained weights; online, the mean of the Hessians at the two steps' weights (theta_0, theta_1 =
+    theta_0 - lr g(theta_0)). The server's mean solves the weighted product with eps (float64 oracles)."""
     model, params = logistic
-    lr = 0.05 if fisher == "offline" else 0.0
-    algo = bf.algorithms.fola(model, lr=lr, lam=1.0, batch_size=64, local_epochs=2, laplace="full", fisher=fisher,
-                              eps=1e-2)
+    apply_fn = apply_fn_of(model)
+    algo = bf.algorithms.fola(model, lr=0.5, lam=1.0, batch_size=256, local_epochs=2, laplace="full", fisher=fisher,
+                              eps=1e-2, clip_norm=None)
     server = algo.server_init(params)
     assert server["precision"].shape == (650, 650)
     messages = []
     for client in (0, 1):
         message, data = client_message(algo, halves, client, server)
         n = int(data.count)
-        oracle = softmax_regression_hessian(message["params"], halves.x[client][:n], halves.y[client][:n])
+        x, y = halves.x[client][:n], halves.y[client][:n]
+        if fisher == "offline":
+            oracle = softmax_regression_hessian(message["params"], x, y)
+        else:
+            step_1 = jax.tree.map(lambda p, g: p - 0.5 * g, params, mean_ce_gradient(apply_fn, params, x, y))
+            oracle = (softmax_regression_hessian(params, x, y) + softmax_regression_hessian(step_1, x, y)) / 2
         np.testing.assert_allclose(message["precision"], oracle, atol=3e-6)
+        assert np.abs(oracle - softmax_regression_hessian(params, x, y)).max() > 1e-3  # the weights moved
         messages.append(message)
-    moved = np.abs(ravel_pytree(messages[0]["params"])[0] - ravel_pytree(params)[0]).max()
-    assert (moved > 1e-3) == (lr > 0)
     w = np.array([0.51, 0.49])
     stats = jax.tree.map(lambda *s: sum(wi * si for wi, si in zip(w, s)), *[algo.client_stats(m) for m in messages])
     new, metrics = algo.server_from_stats(server, stats, jnp.ones(2), {}, None)
@@ -142,6 +152,33 @@ def test_full_fola_sends_the_mean_loss_hessian_and_the_server_solves_the_product
     np.testing.assert_allclose(ravel_pytree(new["params"])[0], expected, rtol=2e-3, atol=2e-4)
     np.testing.assert_allclose(new["precision"], lam, atol=1e-6)
     assert float(metrics["precision_below_eps"]) == pytest.approx(np.mean(np.diag(lam) < 1e-2))  # of the diagonal
+
+
+@pytest.mark.parametrize("options, share, alone", [
+    ({}, 1.0, False), ({"precision_mode": "running_average"}, 2.0 / 3.0, False),
+    ({"fisher": "offline"}, 1.0, False), ({"fisher": "offline", "offline_accumulates": False}, 0.0, False),
+    ({"damping": 0.25}, 1.0, False), ({"laplace": "e_full"}, 1.0, True)])
+def test_round_three_combines_the_hessian_with_the_global_precision(halves, logistic, options, share, alone):
+    """Round 3, weights frozen (lr 0) at a server with precision S: the message is S + H (running sum; offline
+    too, spec D24), H / 3 + 2 / 3 S (Eq. 24), H alone (offline_accumulates=False), S + H + 0.25 I (damping),
+    and for e_full S + the eigenvalues of H on the diagonal."""
+    model, params = logistic
+    algo = bf.algorithms.fola(model, lr=0.0, lam=1.0, batch_size=64, **{"laplace": "full", **options})
+    flat, unravel = ravel_pytree(params)
+    rng = np.random.default_rng(4)
+    a = rng.normal(size=(flat.size, 5)).astype(np.float32)
+    s = a @ a.T / 5 if not alone else np.diag(np.linspace(0.5, 2.0, flat.size)).astype(np.float32)
+    server_precision = jnp.asarray(s) if not alone else unravel(jnp.asarray(np.diag(s)))
+    message, data = client_message(algo, halves, 0, {"params": params, "precision": server_precision}, round_index=3)
+    n = int(data.count)
+    hessian = softmax_regression_hessian(params, halves.x[0][:n], halves.y[0][:n])
+    if alone:  # e_full: the diagonal's ranking of the eigenvalues, as eigenvalue_diagonal places them
+        spectrum = np.asarray(eigenvalue_diagonal(jnp.asarray(hessian, jnp.float32)))
+        np.testing.assert_allclose(ravel_pytree(message["precision"])[0], np.diag(s) + spectrum, atol=3e-6)
+        return
+    curvature = hessian / 3 if options.get("precision_mode") == "running_average" else hessian
+    expected = curvature + share * s + options.get("damping", 0.0) * np.eye(flat.size)
+    np.testing.assert_allclose(message["precision"], expected, atol=3e-6)
 
 
 def test_full_prior_with_a_diagonal_matrix_trains_as_the_diagonal_prior(halves, logistic):
@@ -196,5 +233,7 @@ def test_laplace_options_name_the_fix(logistic):
         bf.algorithms.fola(model, laplace="fullest")
     with pytest.raises(ValueError, match="fix: drop prune_p with laplace='full'"):
         bf.algorithms.fola(model, laplace="full", prune_p=0.1)
+    with pytest.raises(ValueError, match="laplace='full' needs eps > 0.*fix: eps=1e-5"):
+        bf.algorithms.fola(model, laplace="full", profile="paper")
     with pytest.raises(ValueError, match="exact Hessian takes a model without BatchNorm or dropout"):
         bf.algorithms.fola(bf.models.get_model("mlp", 10, hidden=(8,), dropout_rate=0.2), laplace="full")

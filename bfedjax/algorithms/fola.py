@@ -18,9 +18,14 @@ laplace                the Laplace approximation of Sec. IV-E: "diagonal_fisher"
                        diagonal, then the diagonal method). Both Hessian variants are online unless
                        ``fisher="offline"``: the batches' exact Hessians at the weights of each step,
                        summed over an epoch (divided by the client's count) and averaged over the
-                       epochs (spec D24); offline is the mean-loss Hessian at the final weights, reset
-                       every round. Online, the round's Hessian combines with the global precision as
-                       ``precision_mode`` says (``normalisation`` is for the Fisher only)
+                       epochs (spec D24); offline is the mean-loss Hessian at the final weights. The
+                       Fisher's settings (the ``fisher`` estimator, ``offline_fisher_estimator``,
+                       ``normalisation``) do not apply to them
+offline_accumulates    with ``fisher="offline"``: True combines the offline curvature with the
+                       global precision as ``precision_mode`` says (Eq. 23 or 24, as online does),
+                       False sends it alone and resets it every round (the authors' offline code, the
+                       Fig. 9a ablation). None (default): True for "full" and "e_full" (spec D24: the
+                       Hessian "plus the prior precision"), False for the diagonal Fisher
 eigen_order            e_full: which eigenvalue goes where (``laplace.hessian.eigenvalue_diagonal``):
                        "diagonal_rank" (D24: the k-th largest to the k-th largest diag(H)) | "solver"
 normalisation          "sum_over_epochs" (code) | "mean_over_steps" (Eq. 22, 1/T)
@@ -87,6 +92,7 @@ class FolaConfig:
     fisher: str = "batch_mean_sq"
     laplace: str = "diagonal_fisher"
     eigen_order: str = "diagonal_rank"
+    offline_accumulates: bool | None = None
     normalisation: str = "sum_over_epochs"
     precision_mode: str = "running_sum"
     offline_fisher_estimator: str = "batch_mean_sq"
@@ -106,6 +112,10 @@ class FolaConfig:
         _check("eigen_order", self.eigen_order, EIGEN_ORDERS)
         if self.laplace == "full" and self.prune_p is not None:
             raise ValueError("FOLA prune_p compresses a diagonal precision; fix: drop prune_p with laplace='full'")
+        if self.laplace == "full" and self.eps <= 0:
+            raise ValueError("FOLA laplace='full' needs eps > 0: the Hessian is singular (a softmax's logits shift "
+                             "together; pixels that are never lit), so the product's solve is too; fix: eps=1e-5 "
+                             "(the authors' code)")
         _check("normalisation", self.normalisation, NORMALISATIONS)
         _check("precision_mode", self.precision_mode, PRECISION_MODES)
         _check("offline_fisher_estimator", self.offline_fisher_estimator, FISHER_ESTIMATORS)
@@ -146,11 +156,19 @@ def prune_precision(precision, p: float):
     return jax.tree.map(leaf, precision)
 
 
+def accumulates(cfg: FolaConfig) -> bool:
+    """Whether a client's precision combines its round's curvature with the global precision (online, or
+    offline with ``offline_accumulates``) rather than sending the curvature alone."""
+    if cfg.fisher != "offline":
+        return True
+    return cfg.laplace != "diagonal_fisher" if cfg.offline_accumulates is None else cfg.offline_accumulates
+
+
 def prior_precision(server, round_index, cfg: FolaConfig):
     """Precision of the client prior in round ``round_index`` (1-based) from the server state (for
     ``laplace="full"`` a ``DensePrecision``)."""
     precision = server["precision"]
-    if cfg.fisher != "offline" and cfg.precision_mode == "running_sum":
+    if accumulates(cfg) and cfg.precision_mode == "running_sum":
         precision = jax.tree.map(lambda w: w * (1.0 / round_index), precision)  # a product XLA fuses into each use
     if cfg.gamma:
         precision = with_diagonal_added(precision, cfg.gamma, cfg)
@@ -210,7 +228,7 @@ def fola(model, *, lr: float = 0.01, lam: float = 1e3, local_epochs: int = 1, ba
     def client_final(local, ctx):
         if summed_onto_server:  # local.fisher already holds S + F
             precision = jax.tree.map(lambda a: a + cfg.damping, local.fisher)
-        elif cfg.fisher == "offline":
+        elif not accumulates(cfg):
             precision = round_fisher(local, ctx)
         elif cfg.precision_mode == "running_sum":
             precision = jax.tree.map(jnp.add, ctx.server["precision"], round_fisher(local, ctx))

@@ -20,6 +20,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.flatten_util import ravel_pytree
 
 from bfedjax.core.types import Batch, ClientContext
 from bfedjax.laplace.fisher import (FISHER_ESTIMATORS, grad_and_fisher, increment_from_batch_grad,
@@ -149,8 +150,8 @@ def make_sgd_client(model, *, prior_fn: PriorFn | None = None, prior_weight: str
             return loss, grad, increment_from_batch_grad(grad, batch, m, fisher), params
         if fisher == HESSIAN:
             loss, grad = jax.value_and_grad(masked_mean_cross_entropy, argnums=1)(apply_fn, params, batch)
-            m = jnp.maximum(count.astype(jnp.float32), 1.0)
-            return loss, grad, batch_hessian(apply_fn, params, batch) / m, params
+            hessian = batch_hessian(apply_fn, params, batch)
+            return loss, grad, hessian / jnp.maximum(count.astype(hessian.dtype), 1.0), params
         if train_apply is None:
             loss, grad, increment = grad_and_fisher(apply_fn, params, batch, count, fisher)
             return loss, grad, increment, params
@@ -162,8 +163,8 @@ def make_sgd_client(model, *, prior_fn: PriorFn | None = None, prior_weight: str
         if fisher is None:
             acc = ()
         elif fisher == HESSIAN:
-            d = sum(leaf.size for leaf in jax.tree.leaves(params))
-            acc = fisher_init(ctx) if fisher_init is not None else jnp.zeros((d, d), jnp.float32)
+            flat = ravel_pytree(params)[0]
+            acc = fisher_init(ctx) if fisher_init is not None else jnp.zeros((flat.size, flat.size), flat.dtype)
         else:
             acc = (jax.tree.map(lambda a, p: jnp.asarray(a, p.dtype), fisher_init(ctx), params)
                    if fisher_init is not None else tree_zeros_like(params))

@@ -40,10 +40,10 @@ def batch_hessian(apply_fn: Callable, params, batch: Batch) -> jax.Array:
 def offline_hessian(apply_fn: Callable, params, data: ClientData, batch_size: int) -> jax.Array:
     """``[d, d]``: the Hessian of the client's mean cross-entropy over its ``data.count`` real samples at
     ``params`` (one ordered pass of ``batch_size`` batches; FOLA's "offline" evaluation of the full Laplace)."""
-    d = ravel_pytree(params)[0].size
+    flat = ravel_pytree(params)[0]
     total = ordered_pass(lambda h, batch: h + batch_hessian(apply_fn, params, batch),
-                         jnp.zeros((d, d), jnp.float32), data, batch_size)
-    return total / jnp.maximum(data.count.astype(jnp.float32), 1.0)
+                         jnp.zeros((flat.size, flat.size), flat.dtype), data, batch_size)
+    return total / jnp.maximum(data.count.astype(flat.dtype), 1.0)
 
 
 def eigenvalue_diagonal(hessian: jax.Array, order: str = "diagonal_rank") -> jax.Array:
@@ -52,11 +52,13 @@ def eigenvalue_diagonal(hessian: jax.Array, order: str = "diagonal_rank") -> jax
     The paper does not say which eigenvalue goes to which coordinate (spec D24). ``"diagonal_rank"`` (the
     spec's default) gives the coordinate with the ``k``-th largest ``hessian[i, i]`` the ``k``-th largest
     eigenvalue, so the spectrum keeps the diagonal's ranking; ``"solver"`` leaves them in the solver's
-    (ascending) order, coordinate ``i`` getting the ``i``-th smallest.
+    (ascending) order, coordinate ``i`` getting the ``i``-th smallest. Negative eigenvalues (rounding
+    around a positive semi-definite Hessian's zeros, or a non-convex model's curvature) become 0: a
+    precision is not negative.
     """
     if order not in EIGEN_ORDERS:
         raise ValueError(f"eigen_order={order!r}; choose one of {EIGEN_ORDERS}")
-    eigenvalues = jnp.linalg.eigvalsh(0.5 * (hessian + hessian.T))  # ascending
+    eigenvalues = jnp.maximum(jnp.linalg.eigvalsh(0.5 * (hessian + hessian.T)), 0.0)  # ascending
     if order == "solver":
         return eigenvalues
     rank = jnp.argsort(jnp.argsort(jnp.diagonal(hessian)))  # coordinate i's position in the ascending diagonal
