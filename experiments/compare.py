@@ -25,22 +25,17 @@ from bfedjax import plots
 from experiments import errors
 
 
-def run_all(flagfile: str, runs: list[str], output_dir: str, extra: list[str], report_only: bool = False) -> dict:
-    """``{label: {"rounds": [per-round metrics], "summary": summary.json}}`` of each run (``report_only``: read
-    from ``output_dir/<label>`` as an earlier comparison left them, nothing run)."""
+def run_all(flagfile: str, runs: list[str], output_dir: str, extra: list[str]) -> dict:
+    """``{label: {"rounds": [per-round metrics], "summary": summary.json}}`` of each run (a run already finished
+    in ``output_dir/<label>`` resumes at its end: ``experiments.run``'s checkpoints)."""
     results = {}
     for spec in runs:
         label, _, flags = spec.partition(":")
         out = os.path.join(output_dir, label)
         cmd = [sys.executable, "-m", "experiments.run", f"--flagfile={flagfile}", *flags.split(), *extra,
                f"--output_dir={out}"]
-        if report_only:
-            if not os.path.exists(os.path.join(out, "summary.json")):
-                raise app.UsageError(f"--report_only: run {label} has no {out}/summary.json; fix: run the comparison "
-                                     "without --report_only")
-        else:
-            print("$", " ".join(cmd), flush=True)
-            _run(label, cmd)
+        print("$", " ".join(cmd), flush=True)
+        _run(label, cmd)
         with open(os.path.join(out, "metrics.jsonl")) as f:
             rounds = [json.loads(line) for line in f]
         with open(os.path.join(out, "summary.json")) as f:
@@ -100,12 +95,10 @@ def main(argv=None):
     parser.add_argument("--output_dir", default="out/compare")
     parser.add_argument("--results_file", default=None, help="Also write the tables as markdown here.")
     parser.add_argument("--title", default="Comparison")
-    parser.add_argument("--report_only", action="store_true",
-                        help="Write the report from the runs already in --output_dir (run nothing).")
     args, extra = parser.parse_known_args(argv)
     if not os.path.exists(args.flagfile):
         raise app.UsageError(f"--flagfile {args.flagfile} does not exist; fix: pass one of experiments/configs/*.flags")
-    results = run_all(args.flagfile, args.runs, args.output_dir, extra, args.report_only)
+    results = run_all(args.flagfile, args.runs, args.output_dir, extra)
     source = next(iter(results.values()))["summary"]["source"]
     text = (f"## {args.title}\n\nData: {source}. Command:\n\n```\npython -m experiments.compare "
             + shlex.join(sys.argv[1:] if argv is None else argv) + f"\n```\n\n{table(results)}\n\nGA per round:\n\n"

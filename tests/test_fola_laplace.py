@@ -91,6 +91,9 @@ def test_dense_prior_pull_is_the_gradient_of_its_penalty(logistic):
     np.testing.assert_allclose(quadratic_penalty(params, center, precision), 0.5 * diff @ (a @ a.T) @ diff, rtol=1e-5)
     chex.assert_trees_all_close(precision.pull(params, center),
                                 jax.grad(quadratic_penalty)(params, center, precision), rtol=1e-4, atol=1e-5)
+    scaled = DensePrecision(jnp.asarray(a @ a.T), 1.0 / 3.0, 2.0)  # FOLA's running sum in round 3, gamma 2
+    np.testing.assert_allclose(ravel_pytree(scaled.pull(params, center))[0], (a @ a.T / 3.0 + 2.0 * np.eye(d)) @ diff,
+                               rtol=1e-4, atol=1e-5)
 
 
 def test_full_product_guards_unseen_directions_with_eps():

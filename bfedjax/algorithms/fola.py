@@ -168,11 +168,14 @@ def prior_precision(server, round_index, cfg: FolaConfig):
     """Precision of the client prior in round ``round_index`` (1-based) from the server state (for
     ``laplace="full"`` a ``DensePrecision``)."""
     precision = server["precision"]
-    if accumulates(cfg) and cfg.precision_mode == "running_sum":
+    running_sum = accumulates(cfg) and cfg.precision_mode == "running_sum"
+    if cfg.laplace == "full":  # the server's matrix as it is, scaled where it meets a vector
+        return DensePrecision(precision, 1.0 / round_index if running_sum else 1.0, cfg.gamma)
+    if running_sum:
         precision = jax.tree.map(lambda w: w * (1.0 / round_index), precision)  # a product XLA fuses into each use
     if cfg.gamma:
         precision = with_diagonal_added(precision, cfg.gamma, cfg)
-    return DensePrecision(precision) if cfg.laplace == "full" else precision
+    return precision
 
 
 def with_diagonal_added(precision, value: float, cfg: FolaConfig):

@@ -7,8 +7,8 @@ from bfedjax.posteriors.aggregation import (DWC_GUARDS, RULES, aggregate, center
                                             gaussian_product_stats, linear_pool,
                                             log_linear_pool, moment_matched_mixture, nwa, weighted_conflation,
                                             weighted_mean, weighted_sum_of_normals)
-from bfedjax.posteriors.gaussian import (DensePrecision, DiagGaussian, from_scale, from_variance, kl_divergence, log_density,
-                                         quadratic_penalty, rho_to_scale, scale_to_rho, softplus_inverse)
+from bfedjax.posteriors.gaussian import (DensePrecision, DiagGaussian, from_scale, from_variance, kl_divergence,
+                                         log_density, quadratic_penalty, rho_to_scale, scale_to_rho, softplus_inverse)
 
 __all__ = [
     "DWC_GUARDS", "RULES", "DensePrecision", "DiagGaussian", "aggregate", "centered_linear_pool", "conflation",

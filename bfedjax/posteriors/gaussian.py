@@ -43,15 +43,23 @@ def log_density(posterior: DiagGaussian, theta) -> jax.Array:
 
 
 class DensePrecision(NamedTuple):
-    """A full precision matrix ``[d, d]`` over a parameter pytree raveled by ``jax.flatten_util.ravel_pytree``
-    (FOLA's "full" Laplace prior), where the other precisions are pytrees or scalars."""
+    """The full precision ``scale * matrix + diagonal * I`` (``matrix [d, d]``, ``scale`` and ``diagonal``
+    scalars, may be traced) over a parameter pytree raveled by ``jax.flatten_util.ravel_pytree`` (FOLA's "full"
+    Laplace prior), where the other precisions are pytrees or scalars. The scalars stay apart so that a
+    scaled prior (FOLA's running sum over ``r``, its ``gamma``) never writes a second ``d x d`` matrix."""
 
     matrix: jax.Array
+    scale: Any = 1.0
+    diagonal: Any = 0.0
+
+    def times(self, vector):
+        """``(scale * matrix + diagonal * I) @ vector`` for ``vector [d]``."""
+        return self.scale * (self.matrix @ vector) + self.diagonal * vector
 
     def pull(self, theta, center):
-        """The gradient of ``0.5 (theta - center)^T matrix (theta - center)``: a pytree like ``theta``."""
+        """The gradient of ``0.5 (theta - center)^T P (theta - center)``: a pytree like ``theta``."""
         flat_theta, unravel = ravel_pytree(theta)
-        return unravel(self.matrix @ (flat_theta - ravel_pytree(center)[0]))
+        return unravel(self.times(flat_theta - ravel_pytree(center)[0]))
 
 
 def broadcast_precision(precision, like):
@@ -69,7 +77,7 @@ def quadratic_penalty(theta, center, precision) -> jax.Array:
     """
     if isinstance(precision, DensePrecision):
         diff = ravel_pytree(theta)[0] - ravel_pytree(center)[0]
-        return 0.5 * diff @ (precision.matrix @ diff)
+        return 0.5 * diff @ precision.times(diff)
     precision = broadcast_precision(precision, theta)
     terms = jax.tree.map(lambda t, c, p: jnp.sum(p * jnp.square(t - c)), theta, center, precision)
     return 0.5 * sum(jax.tree.leaves(terms))
