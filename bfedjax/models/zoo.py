@@ -36,6 +36,7 @@ FedRegCNN       28x28x1      228,010
 McMahanCNN      24x24x3      1,068,298
 McMahanCNN      32x32x3      1,756,426
 ResNet20        32x32x3      272,474 trainable (+ BatchNorm statistics)
+FixupResNet9    32x32x3      6,568,673 (K = 10), 6,614,843 (K = 100)
 ==============  ===========  =========
 """
 
@@ -51,6 +52,7 @@ import flax.linen as nn
 
 from bfedjax.models.conv import conv_general_dilated as zoo_conv
 from bfedjax.models.apply import has_batch_stats
+from bfedjax.models.fixup import FixupResNet9
 from bfedjax.models.resnet import ResNet20
 from bfedjax.models.unet import UNet
 
@@ -413,6 +415,8 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "mcmahan_cnn": lambda num_classes, hidden=None: McMahanCNN(num_classes=num_classes),
     "resnet20": lambda num_classes, hidden=None, dropout_rate=0.0: ResNet20(num_classes=num_classes,
                                                                              dropout_rate=dropout_rate),
+    # FedReg's CIFAR model (models.fixup): no normalisation layers, Fixup's scalar biases and multipliers.
+    "resnet9_fixup": lambda num_classes, hidden=None: FixupResNet9(num_classes=num_classes),
     # Segmentation: num_classes == 2 is binary, one foreground logit per pixel ([B, H, W]).
     "unet": lambda num_classes, hidden=None: UNet(out_channels=1 if num_classes == 2 else num_classes),
 }
@@ -523,6 +527,7 @@ def num_params(params: Params) -> int:
 
 
 __all__ = [
-    "Logistic", "MLP", "FolaCNN", "LeNet", "FedRegCNN", "McMahanCNN", "ResNet20", "local_response_normalization",
+    "Logistic", "MLP", "FolaCNN", "LeNet", "FedRegCNN", "McMahanCNN", "ResNet20", "FixupResNet9",
+    "local_response_normalization",
     "MODELS", "DROPOUT_MODELS", "COMPUTE_DTYPES", "compute_dtype_of", "get_model", "init_params", "num_params",
 ]
