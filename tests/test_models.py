@@ -146,7 +146,7 @@ def test_vmap_over_stacked_clients():
 
 def test_registry_and_unknown_name():
     assert set(MODELS) == {"logistic", "mlp", "mlp_500_300", "mlp_200_200", "fola_cnn", "lenet", "lenet_unpadded", "cnn1",
-                           "cnn2", "resnet20", "resnet9_fixup", "fedreg_cnn", "mcmahan_cnn", "unet"}
+                           "cnn2", "resnet20", "resnet9_fixup", "mobilenet_v3_small", "fedreg_cnn", "mcmahan_cnn", "unet"}
     assert isinstance(get_model("fola_cnn", 10), FolaCNN)
     assert isinstance(get_model("McMahan_CNN", 10), McMahanCNN)
     assert isinstance(get_model("lenet", 10), LeNet)
@@ -225,6 +225,31 @@ def test_zoo_convolutions_match_lax(size, kernel, stride, padding, implementatio
     second = lambda conv: jax.grad(lambda x: jnp.sum(jax.grad(loss(conv), argnums=1)(x, w) ** 2))(x)
     want = second(lax.conv_general_dilated)  # entries up to about 2,000: cancellation errors of 0.01 near 0
     np.testing.assert_allclose(second(fast), want, rtol=1e-3, atol=3e-5 * float(jnp.max(jnp.abs(want))))
+
+
+@pytest.mark.parametrize("size,kernel,stride,pads", [(12, 3, 1, ((1, 1), (1, 1))), (11, 5, 2, ((2, 2), (2, 2))),
+                                                     (8, 3, 2, ((0, 1), (1, 0)))])
+def test_shifted_depthwise_conv_matches_lax_and_a_client_vmap_has_no_convolution(size, kernel, stride, pads):
+    """MobileNet's depthwise convolutions on a CPU: lax's value and both gradients, through the dispatcher; under a
+    vmap over per-client kernels no convolution is left (XLA:CPU ran their grouped gradients as a slow loop)."""
+    from jax import lax
+    from bfedjax.models import conv as zoo_conv
+    x = jax.random.normal(jax.random.PRNGKey(0), (3, size, size, 6))
+    w = jax.random.normal(jax.random.PRNGKey(1), (kernel, kernel, 1, 6))
+    dn = ("NHWC", "HWIO", "NHWC")
+    loss = lambda conv: lambda x, w: jnp.sum(jnp.sin(conv(x, w, (stride, stride), pads, dimension_numbers=dn,
+                                                             feature_group_count=6)))
+    np.testing.assert_allclose(loss(zoo_conv.conv_general_dilated)(x, w), loss(lax.conv_general_dilated)(x, w),
+                               rtol=1e-5)
+    shifted = lambda x, w, strides, padding, dimension_numbers, feature_group_count: (  # noqa: E731
+        zoo_conv.shifted_depthwise_conv(x, w, strides, padding))
+    np.testing.assert_allclose(loss(shifted)(x, w), loss(lax.conv_general_dilated)(x, w), rtol=1e-5)
+    for got, want in zip(jax.grad(loss(shifted), argnums=(0, 1))(x, w),
+                         jax.grad(loss(lax.conv_general_dilated), argnums=(0, 1))(x, w)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(want))))
+    per_client = jax.vmap(jax.grad(loss(shifted), argnums=1), in_axes=(None, 0))
+    text = jax.jit(per_client).lower(x, jnp.stack([w, 2 * w])).as_text()
+    assert "convolution" not in text
 
 
 def test_matmul_conv_under_a_client_vmap_is_a_batched_matrix_product():

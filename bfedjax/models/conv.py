@@ -11,7 +11,7 @@ convolutions are unaffected; unrolling the loop also avoids it.)
 ``conv_general_dilated`` below is a drop-in for ``lax.conv_general_dilated``
 (Flax: ``nn.Conv(..., conv_general_dilated=conv_general_dilated)``) for the
 convolutions the zoo uses (2-D, NHWC/HWIO, any strides and padding, no
-dilation, one group; anything else goes to ``lax``). It picks by platform:
+dilation, one group or depthwise; anything else goes to ``lax``). It picks by platform:
 
 * CPU and GPU, when the patch matrix fits in the platform's ``MATMUL_CONV_MAX_BYTES`` (a client's
   training batch; per client under a vmap): ``matmul_trained_conv``, which is
@@ -42,6 +42,10 @@ dilation, one group; anything else goes to ``lax``). It picks by platform:
   one matrix product: under a client vmap the convolution form is a grouped cuDNN convolution that
   cuDNN ran client by client through FFTs (an H100, FedReg's CNN, 100 clients: 44.5 against 39.6 ms
   a round; a variational ResNet-20 87.6 against 65.6 ms; ``results/bench/gpu_h100_targets/``).
+
+Depthwise convolutions (one group per channel, MobileNet's) take ``shifted_depthwise_conv`` on a CPU:
+a sum of shifted slices times per-channel weights, whose gradients are slices and products (XLA:CPU runs
+the grouped convolution's gradients as a generic loop). Other grouped convolutions go to ``lax``.
 
 Values and gradients equal ``lax``'s to float rounding (tested, both).
 """
@@ -91,6 +95,12 @@ ALONE_MATMUL_CONV_MAX_BYTES = {"cpu": 2**20}
 # 3x3 (F(4x4, 3x3)) is left out: ResNet-20's round 0.523 -> 0.452 s for a first round of 14.2 s against 7.0 s.
 WINOGRAD_TILES = {"cpu": {5: 4}}
 WINOGRAD_MIN_CHANNELS = 8
+# Platforms whose depthwise convolutions (one group per input channel, depth multiplier 1: MobileNet's)
+# take ``shifted_depthwise_conv``, a sum of kh * kw shifted slices times per-channel weights. XLA:CPU runs the
+# gradients of its grouped convolution as a generic loop: a MobileNetV3-Small step of 64 images at 64x64
+# in a scan, 4.27 s against 0.098 s; two vmapped clients 24.7 s against 0.237 s
+# (results/fedref_mobilenet_check/depthwise_step.py, 2 cores). Elsewhere ``lax``'s.
+SHIFTED_DEPTHWISE_PLATFORMS = ("cpu",)
 
 
 def _is_nhwc(dimension_numbers) -> bool:
@@ -110,9 +120,16 @@ def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, r
                          dimension_numbers=None, feature_group_count=1, batch_group_count=1, precision=None,
                          preferred_element_type=None):
     """``lax.conv_general_dilated`` with loop-friendly gradients for plain 2-D NHWC convolutions."""
-    fast = (lhs.ndim == 4 and _is_nhwc(dimension_numbers) and _plain((lhs_dilation, rhs_dilation))
-            and feature_group_count == 1 and batch_group_count == 1 and preferred_element_type is None)
-    if not fast:
+    plain_2d = (lhs.ndim == 4 and _is_nhwc(dimension_numbers) and _plain((lhs_dilation, rhs_dilation))
+                and batch_group_count == 1 and preferred_element_type is None)
+    depthwise = (plain_2d and feature_group_count > 1 and feature_group_count == lhs.shape[-1] == rhs.shape[-1]
+                 and rhs.shape[2] == 1)
+    if depthwise and jax.default_backend() in SHIFTED_DEPTHWISE_PLATFORMS:
+        if isinstance(padding, str):
+            padding = lax.padtype_to_pads(lhs.shape[1:3], rhs.shape[:2], window_strides, padding)
+        return shifted_depthwise_conv(lhs, rhs, tuple(int(v) for v in window_strides),
+                                      tuple((int(lo), int(hi)) for lo, hi in padding))
+    if not (plain_2d and feature_group_count == 1):
         return lax.conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
                                         dimension_numbers, feature_group_count, batch_group_count, precision,
                                         preferred_element_type)
@@ -126,6 +143,34 @@ def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, r
     if size > ALONE_MATMUL_CONV_MAX_BYTES.get(backend, size):
         return per_client_conv(lhs, rhs, strides, pads, precision, winograd_tile(rhs, strides, backend))
     return matmul_trained_conv(lhs, rhs, strides, pads, precision)
+
+
+def shifted_depthwise_conv(x, w, strides: tuple[int, int], pads):
+    """Depthwise convolution as ``sum_ij slice_ij(pad(x)) * w[i, j, 0]``: elementwise products only.
+
+    Args:
+      x: ``[B, H, W, C]``.
+      w: ``[kh, kw, 1, C]`` (HWIO with one input channel per group; depth multiplier 1).
+      strides: ``(sh, sw)``.
+      pads: ``((top, bottom), (left, right))``.
+    Returns:
+      ``[B, Ho, Wo, C]``, ``Ho = (H + top + bottom - kh) // sh + 1`` (likewise ``Wo``): ``lax``'s
+      ``conv_general_dilated(..., feature_group_count=C)``. Its gradients are slices, pads and products,
+      which a client vmap batches without grouped convolutions.
+    """
+    kh, kw = w.shape[:2]
+    xp = jnp.pad(x, ((0, 0), pads[0], pads[1], (0, 0)))
+    ho = (xp.shape[1] - kh) // strides[0] + 1
+    wo = (xp.shape[2] - kw) // strides[1] + 1
+    out = None
+    for i in range(kh):
+        for j in range(kw):
+            window = lax.slice(xp, (0, i, j, 0), (xp.shape[0], i + (ho - 1) * strides[0] + 1,
+                                                 j + (wo - 1) * strides[1] + 1, xp.shape[3]),
+                               (1, strides[0], strides[1], 1))
+            term = window * w[i, j, 0].astype(x.dtype)
+            out = term if out is None else out + term
+    return out
 
 
 def winograd_tile(w, strides: tuple[int, int], backend: str) -> int | None:

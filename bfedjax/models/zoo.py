@@ -37,6 +37,7 @@ McMahanCNN      24x24x3      1,068,298
 McMahanCNN      32x32x3      1,756,426
 ResNet20        32x32x3      272,474 trainable (+ BatchNorm statistics)
 FixupResNet9    32x32x3      6,568,673 (K = 10), 6,614,843 (K = 100)
+MobileNetV3Sm.  any, to 64²  932,778 (K = 10; + 12,112 BatchNorm statistics)
 ==============  ===========  =========
 """
 
@@ -53,7 +54,9 @@ import flax.linen as nn
 from bfedjax.models.conv import conv_general_dilated as zoo_conv
 from bfedjax.models.apply import has_batch_stats
 from bfedjax.models.fixup import FixupResNet9
+from bfedjax.models.mobilenet import MobileNetV3Small
 from bfedjax.models.resnet import ResNet20
+from bfedjax.models.torch_init import TORCH_KERNEL_INIT, torch_uniform_init
 from bfedjax.models.unet import UNet
 
 Params = Any  # a pytree of arrays (the 'params' collection)
@@ -244,16 +247,6 @@ class CNN2(nn.Module):
         return _logits(_dense(self.num_classes, self.dtype)(x))
 
 
-def _torch_uniform_init(fan_in: int):
-    """PyTorch's default for conv/linear biases: U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
-    bound = 1.0 / math.sqrt(fan_in)
-    return lambda key, shape, dtype=jnp.float32: jax.random.uniform(key, shape, dtype, -bound, bound)
-
-
-# PyTorch's default kernel init (kaiming_uniform with a = sqrt(5)) is the same bound on the kernel.
-TORCH_KERNEL_INIT = nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
-
-
 class FedRegCNN(nn.Module):
     """FedReg's MNIST/EMNIST CNN ("3 conv + 2 FC", 228,010 parameters), PyTorch initialisation.
 
@@ -274,10 +267,10 @@ class FedRegCNN(nn.Module):
         def conv(x, features):
             fan_in = 25 * x.shape[-1]
             return nn.Conv(features, (5, 5), padding="VALID", kernel_init=TORCH_KERNEL_INIT,
-                           bias_init=_torch_uniform_init(fan_in), dtype=self.dtype, conv_general_dilated=zoo_conv)(x)
+                           bias_init=torch_uniform_init(fan_in), dtype=self.dtype, conv_general_dilated=zoo_conv)(x)
 
         def dense(x, features):
-            return nn.Dense(features, kernel_init=TORCH_KERNEL_INIT, bias_init=_torch_uniform_init(x.shape[-1]),
+            return nn.Dense(features, kernel_init=TORCH_KERNEL_INIT, bias_init=torch_uniform_init(x.shape[-1]),
                             dtype=self.dtype)(x)
 
         x = nn.relu(conv(x, 32))
@@ -417,6 +410,8 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
                                                                              dropout_rate=dropout_rate),
     # FedReg's CIFAR model (models.fixup): no normalisation layers, Fixup's scalar biases and multipliers.
     "resnet9_fixup": lambda num_classes, hidden=None: FixupResNet9(num_classes=num_classes),
+    # FedRef's MNIST model (models.mobilenet): torchvision's MobileNetV3-Small, inputs resized to 64x64 RGB.
+    "mobilenet_v3_small": lambda num_classes, hidden=None: MobileNetV3Small(num_classes=num_classes),
     # Segmentation: num_classes == 2 is binary, one foreground logit per pixel ([B, H, W]).
     "unet": lambda num_classes, hidden=None: UNet(out_channels=1 if num_classes == 2 else num_classes),
 }
@@ -528,6 +523,6 @@ def num_params(params: Params) -> int:
 
 __all__ = [
     "Logistic", "MLP", "FolaCNN", "LeNet", "FedRegCNN", "McMahanCNN", "ResNet20", "FixupResNet9",
-    "local_response_normalization",
+    "MobileNetV3Small", "local_response_normalization",
     "MODELS", "DROPOUT_MODELS", "COMPUTE_DTYPES", "compute_dtype_of", "get_model", "init_params", "num_params",
 ]
