@@ -124,3 +124,8 @@ def test_a_fedreg_round_trains_every_layer():
     unchanged = [jax.tree_util.keystr(path) for path, a in jax.tree_util.tree_leaves_with_path(final)
                  if np.array_equal(a, _leaf(init, path))]
     assert not unchanged
+
+
+def test_inputs_that_are_not_32x32_are_refused():
+    with pytest.raises(ValueError, match="32x32"):
+        jax.eval_shape(lambda k: init_params(FixupResNet9(), (28, 28, 1), k), jax.random.PRNGKey(0))

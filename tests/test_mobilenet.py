@@ -4,6 +4,7 @@ forward pass in both BatchNorm modes against a PyTorch network written here from
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -53,15 +54,20 @@ def test_torchvision_initialisation(variables):
     assert (bn["scale"] == 1).all() and (bn["bias"] == 0).all()
 
 
-def _torch_reference(params, stats, x, train):
-    """torchvision's forward in PyTorch (NCHW, float64), weights from the Flax trees."""
+def _torch_reference(params, stats, x, train, running_means=None):
+    """torchvision's forward in PyTorch (NCHW, float64), weights from the Flax trees. In training mode the
+    running means after the batch (PyTorch's momentum 0.01) are appended to ``running_means``, in layer order."""
     t = lambda a: torch.tensor(np.asarray(a), dtype=torch.float64)  # noqa: E731
 
     def conv_bn(x, p, s, stride=1, groups=1, act=None):
         kernel = t(p["Conv_0"]["kernel"]).permute(3, 2, 0, 1)
         x = F.conv2d(x, kernel, stride=stride, padding=(kernel.shape[-1] - 1) // 2, groups=groups)
         bn, st = p["BatchNorm_0"], s["BatchNorm_0"]
-        x = F.batch_norm(x, t(st["mean"]), t(st["var"]), t(bn["scale"]), t(bn["bias"]), training=train, eps=1e-3)
+        mean = t(st["mean"])
+        x = F.batch_norm(x, mean, t(st["var"]), t(bn["scale"]), t(bn["bias"]), training=train, momentum=0.01,
+                         eps=1e-3)
+        if running_means is not None:
+            running_means.append(mean.numpy())
         return {None: x, 0: F.relu(x), 1: F.hardswish(x)}[act]
 
     x = F.interpolate(t(x).permute(0, 3, 1, 2), size=(64, 64), mode="bilinear", align_corners=False)
@@ -87,10 +93,18 @@ def test_forward_matches_torchvisions_layers_in_both_batchnorm_modes(variables):
     model = MobileNetV3Small(num_classes=10)
     want = _torch_reference(variables["params"], variables["batch_stats"], x, train=False)
     np.testing.assert_allclose(jax.jit(apply_fn_of(model))(variables, x), want, atol=1e-4 * np.abs(want).max())
-    want = _torch_reference(variables["params"], variables["batch_stats"], x, train=True)
+    running_means = []
+    want = _torch_reference(variables["params"], variables["batch_stats"], x, train=True, running_means=running_means)
     train = jax.jit(train_apply_fn_of(model))
-    got, _ = train(variables, x, np.ones(4), jax.random.PRNGKey(1))
+    got, updated = train(variables, x, np.ones(4), jax.random.PRNGKey(1))
     np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max())
+    # the running means move 1% of the way to the batch's, as PyTorch's momentum 0.01 (the stem, a block, the last)
+    means = [updated["batch_stats"][name]["BatchNorm_0"]["mean"] for name in ("stem", "last")]
+    means.insert(1, updated["batch_stats"]["bneck3"]["project"]["BatchNorm_0"]["mean"])
+    # after the stem, bneck0 (depthwise, project), bneck1 and bneck2 (expand, depthwise, project), bneck3's two
+    bneck3_project = 1 + 2 + 3 + 3 + 2
+    for got_mean, want_mean in zip(means, [running_means[0], running_means[bneck3_project], running_means[-1]]):
+        np.testing.assert_allclose(got_mean, want_mean, atol=1e-5)
     # a padded row (mask 0) leaves the batch statistics, and so the real rows' logits, unchanged
     padded, _ = train(variables, np.concatenate([x, 9 * x[:1]]), np.array([1, 1, 1, 1, 0.]), jax.random.PRNGKey(1))
     np.testing.assert_allclose(padded[:4], got, atol=1e-5 * np.abs(want).max())
@@ -101,3 +115,21 @@ def test_rgb_64_inputs_are_taken_as_they_are(variables):
     rgb = np.repeat(np.asarray(jax.image.resize(x, (2, 64, 64, 1), "bilinear")), 3, axis=-1)
     apply = jax.jit(apply_fn_of(MobileNetV3Small(num_classes=10)))
     np.testing.assert_allclose(apply(variables, x), apply(variables, rgb), atol=1e-6)
+
+
+def test_a_vmapped_training_step_has_no_grouped_convolution_on_a_cpu(variables):
+    """Two clients' gradients through the whole model (depthwise and squeeze-excitation convolutions included) lower
+    to matrix products, slices and elementwise products: no convolution XLA:CPU would run as a slow loop."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the shifted depthwise convolutions are the CPU's")
+    train = train_apply_fn_of(MobileNetV3Small(num_classes=10))
+    loss = lambda v, x: jnp.sum(train(v, x, jnp.ones(2), jax.random.PRNGKey(0))[0])  # noqa: E731
+    stacked = jax.tree.map(lambda a: np.stack([a, a]), variables)
+    x = jax.ShapeDtypeStruct((2, 2, 28, 28, 1), jnp.float32)
+    text = jax.jit(jax.vmap(jax.grad(loss))).lower(stacked, x).as_text()
+    assert "convolution" not in text and "dot_general" in text
+
+
+def test_wrong_channel_counts_are_refused():
+    with pytest.raises(ValueError, match="grey or RGB"):
+        init_params(MobileNetV3Small(num_classes=10), (28, 28, 2), jax.random.PRNGKey(0))

@@ -250,6 +250,21 @@ def test_shifted_depthwise_conv_matches_lax_and_a_client_vmap_has_no_convolution
     per_client = jax.vmap(jax.grad(loss(shifted), argnums=1), in_axes=(None, 0))
     text = jax.jit(per_client).lower(x, jnp.stack([w, 2 * w])).as_text()
     assert "convolution" not in text
+    # bfloat16 inputs are summed in float32: lax's bfloat16 result, within one bfloat16 rounding of the output
+    xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    exact = lax.conv_general_dilated(xb.astype(jnp.float32), wb.astype(jnp.float32), (stride, stride), pads,
+                                     dimension_numbers=dn, feature_group_count=6)
+    got = zoo_conv.conv_general_dilated(xb, wb, (stride, stride), pads, dimension_numbers=dn, feature_group_count=6)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(got.astype(jnp.float32), exact, atol=2**-7 * float(jnp.max(jnp.abs(exact))))
+    # cropping pads and a kernel larger than the padded input go to lax (which crops or returns an empty map)
+    for odd_x, odd_pads in ((x, ((-1, 0), (0, 0))), (x[:, :2, :2], ((0, 0), (0, 0)))):
+        want = lax.conv_general_dilated(odd_x, w, (stride, stride), odd_pads, dimension_numbers=dn,
+                                        feature_group_count=6)
+        got = zoo_conv.conv_general_dilated(odd_x, w, (stride, stride), odd_pads, dimension_numbers=dn,
+                                            feature_group_count=6)
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 def test_matmul_conv_under_a_client_vmap_is_a_batched_matrix_product():

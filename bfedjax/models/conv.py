@@ -123,12 +123,15 @@ def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None, r
     plain_2d = (lhs.ndim == 4 and _is_nhwc(dimension_numbers) and _plain((lhs_dilation, rhs_dilation))
                 and batch_group_count == 1 and preferred_element_type is None)
     depthwise = (plain_2d and feature_group_count > 1 and feature_group_count == lhs.shape[-1] == rhs.shape[-1]
-                 and rhs.shape[2] == 1)
+                 and rhs.shape[2] == 1 and lhs.dtype == rhs.dtype)
     if depthwise and jax.default_backend() in SHIFTED_DEPTHWISE_PLATFORMS:
         if isinstance(padding, str):
             padding = lax.padtype_to_pads(lhs.shape[1:3], rhs.shape[:2], window_strides, padding)
-        return shifted_depthwise_conv(lhs, rhs, tuple(int(v) for v in window_strides),
-                                      tuple((int(lo), int(hi)) for lo, hi in padding))
+        pads = tuple((int(lo), int(hi)) for lo, hi in padding)
+        fits = all(lo >= 0 and hi >= 0 and size + lo + hi >= k
+                   for (lo, hi), size, k in zip(pads, lhs.shape[1:3], rhs.shape[:2]))
+        if fits:  # else (cropping pads, a kernel larger than the padded input) lax's
+            return shifted_depthwise_conv(lhs, rhs, tuple(int(v) for v in window_strides), pads)
     if not (plain_2d and feature_group_count == 1):
         return lax.conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation,
                                         dimension_numbers, feature_group_count, batch_group_count, precision,
@@ -155,8 +158,9 @@ def shifted_depthwise_conv(x, w, strides: tuple[int, int], pads):
       pads: ``((top, bottom), (left, right))``.
     Returns:
       ``[B, Ho, Wo, C]``, ``Ho = (H + top + bottom - kh) // sh + 1`` (likewise ``Wo``): ``lax``'s
-      ``conv_general_dilated(..., feature_group_count=C)``. Its gradients are slices, pads and products,
-      which a client vmap batches without grouped convolutions.
+      ``conv_general_dilated(..., feature_group_count=C)``, summed in float32 (a bfloat16 input too) and
+      returned in ``x``'s dtype. Its gradients are slices, pads and products, which a client vmap batches
+      without grouped convolutions. ``precision`` does not apply (no matrix products).
     """
     kh, kw = w.shape[:2]
     xp = jnp.pad(x, ((0, 0), pads[0], pads[1], (0, 0)))
@@ -168,9 +172,9 @@ def shifted_depthwise_conv(x, w, strides: tuple[int, int], pads):
             window = lax.slice(xp, (0, i, j, 0), (xp.shape[0], i + (ho - 1) * strides[0] + 1,
                                                  j + (wo - 1) * strides[1] + 1, xp.shape[3]),
                                (1, strides[0], strides[1], 1))
-            term = window * w[i, j, 0].astype(x.dtype)
+            term = window.astype(jnp.float32) * w[i, j, 0].astype(jnp.float32)
             out = term if out is None else out + term
-    return out
+    return out.astype(x.dtype)
 
 
 def winograd_tile(w, strides: tuple[int, int], backend: str) -> int | None:

@@ -111,7 +111,7 @@ class FixupLayer(nn.Module):
 class FixupResNet9(nn.Module):
     """FedReg's ResNet-9 with Fixup: ``[B, 32, 32, C] -> [B, num_classes]`` logits (float32), no normalisation.
 
-    Other square sizes work where they divide by 32 (the head's 4x4 pool expects 4x4 maps).
+    Other input sizes raise a ``ValueError`` (the head pools the last 4x4 map, 32 / 8, to one vector).
     """
 
     num_classes: int = 10
@@ -122,6 +122,10 @@ class FixupResNet9(nn.Module):
         x = jnp.asarray(x, self.dtype)
         for name, features, blocks, pool in STAGES:
             x = FixupLayer(features, blocks, pool, self.dtype, name=name)(x)
+        if x.shape[1:3] != (4, 4):
+            raise ValueError(f"FixupResNet9 takes 32x32 images (its head pools the last 4x4 map to one vector), got "
+                             f"{x.shape[1] * 8}x{x.shape[2] * 8}-sized maps; fix: CIFAR-sized data "
+                             "(--dataset=cifar10 or cifar100) or another --model")
         x = _max_pool(x, 4).reshape((x.shape[0], -1))
         x = x + _scalar(self, "bias2", 0.0).astype(self.dtype)
         x = nn.Dense(self.num_classes, kernel_init=nn.initializers.zeros, bias_init=nn.initializers.zeros,

@@ -101,7 +101,8 @@ class _SqueezeExcitation(nn.Module):
     @nn.compact
     def __call__(self, x):
         conv = lambda features, name: nn.Conv(features, (1, 1), kernel_init=KAIMING_NORMAL_FAN_OUT,  # noqa: E731
-                                              bias_init=nn.initializers.zeros, dtype=self.dtype, name=name)
+                                              bias_init=nn.initializers.zeros, dtype=self.dtype, name=name,
+                                              conv_general_dilated=zoo_conv)
         scale = jnp.mean(x, axis=(1, 2), keepdims=True)
         scale = conv(x.shape[-1], "fc2")(nn.relu(conv(self.squeeze, "fc1")(scale)))
         return x * jax.nn.hard_sigmoid(scale)
@@ -148,6 +149,9 @@ class MobileNetV3Small(nn.Module):
         del dropout  # no dropout layers (the replaced classifier has none)
         x = jnp.asarray(x, self.dtype)
         b, h, w, c = x.shape
+        if c not in (1, 3):
+            raise ValueError(f"MobileNetV3Small takes grey or RGB images [B, H, W, 1 or 3], got {c} channels; "
+                             "fix: another --model for this data")
         if self.input_size is not None and (h, w) != (self.input_size, self.input_size):
             x = jax.image.resize(x, (b, self.input_size, self.input_size, c), "bilinear")
         if c == 1:
