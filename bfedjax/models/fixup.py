@@ -27,7 +27,6 @@ Parameters: 6,568,673 for K = 10 and 6,614,843 for K = 100 (23 scalars among the
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import flax.linen as nn
@@ -35,6 +34,8 @@ import jax
 import jax.numpy as jnp
 
 from bfedjax.models.conv import conv_general_dilated as zoo_conv
+from bfedjax.models.pooling import max_pool
+from bfedjax.models.torch_init import KAIMING_NORMAL_FAN_OUT
 
 STAGES = (("prep", 64, 0, False), ("layer1", 128, 1, True), ("layer2", 256, 0, True), ("layer3", 512, 1, True))
 """``(name, channels, Fixup blocks, max-pool 2)`` of the four convolutional layers, in order."""
@@ -42,26 +43,9 @@ STAGES = (("prep", 64, 0, False), ("layer1", 128, 1, True), ("layer2", 256, 0, T
 NUM_RESIDUAL_BRANCHES = 2  # Fixup's L: the blocks' first convolutions are scaled by L ** -0.5 (m = 2 layers a branch)
 
 
-def _he_fan_out(scale: float = 1.0):
-    """Normal kernels with std ``scale * sqrt(2 / (out_channels * kh * kw))`` (HWIO kernels)."""
-
-    def init(key, shape, dtype=jnp.float32):
-        kh, kw, _, out_channels = shape
-        return scale * math.sqrt(2.0 / (out_channels * kh * kw)) * jax.random.normal(key, shape, dtype)
-
-    return init
-
-
 def _scalar(module: nn.Module, name: str, value: float) -> jax.Array:
     """A learned scalar ``[1]`` (a Fixup bias or multiplier), float32 like every zoo parameter."""
     return module.param(name, nn.initializers.constant(value), (1,), jnp.float32)
-
-
-def _max_pool(x: jax.Array, size: int) -> jax.Array:
-    """``[B, H, W, C] -> [B, H // size, W // size, C]``: non-overlapping max-pool (floor), over a reshape."""
-    b, h, w, c = x.shape
-    x = x[:, :h // size * size, :w // size * size, :].reshape(b, h // size, size, w // size, size, c)
-    return jnp.max(x, axis=(2, 4))
 
 
 def _conv3x3(features: int, kernel_init, dtype, name: str) -> nn.Conv:
@@ -78,7 +62,7 @@ class FixupBlock(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         scalar = lambda name, value: _scalar(self, name, value).astype(self.dtype)  # noqa: E731
-        branch_init = _he_fan_out(NUM_RESIDUAL_BRANCHES ** -0.5)
+        branch_init = nn.initializers.variance_scaling(2.0 / NUM_RESIDUAL_BRANCHES, "fan_out", "normal")
         y = _conv3x3(self.features, branch_init, self.dtype, "conv1")(x + scalar("bias1a", 0.0))
         y = nn.relu(y + scalar("bias1b", 0.0))
         y = _conv3x3(self.features, nn.initializers.zeros, self.dtype, "conv2")(y + scalar("bias2a", 0.0))
@@ -99,10 +83,10 @@ class FixupLayer(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         scalar = lambda name, value: _scalar(self, name, value).astype(self.dtype)  # noqa: E731
-        x = _conv3x3(self.features, _he_fan_out(), self.dtype, "conv")(x + scalar("bias1a", 0.0))
+        x = _conv3x3(self.features, KAIMING_NORMAL_FAN_OUT, self.dtype, "conv")(x + scalar("bias1a", 0.0))
         x = nn.relu(x * scalar("scale", 1.0) + scalar("bias1b", 0.0))
         if self.pool:
-            x = _max_pool(x, 2)
+            x = max_pool(x, 2)
         for i in range(self.blocks):
             x = FixupBlock(self.features, self.dtype, name=f"block{i}")(x)
         return x
@@ -126,7 +110,7 @@ class FixupResNet9(nn.Module):
             raise ValueError(f"FixupResNet9 takes 32x32 images (its head pools the last 4x4 map to one vector), got "
                              f"{x.shape[1] * 8}x{x.shape[2] * 8}-sized maps; fix: CIFAR-sized data "
                              "(--dataset=cifar10 or cifar100) or another --model")
-        x = _max_pool(x, 4).reshape((x.shape[0], -1))
+        x = max_pool(x, 4).reshape((x.shape[0], -1))
         x = x + _scalar(self, "bias2", 0.0).astype(self.dtype)
         x = nn.Dense(self.num_classes, kernel_init=nn.initializers.zeros, bias_init=nn.initializers.zeros,
                      dtype=self.dtype, name="linear")(x)

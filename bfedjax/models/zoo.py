@@ -55,6 +55,7 @@ from bfedjax.models.conv import conv_general_dilated as zoo_conv
 from bfedjax.models.apply import has_batch_stats
 from bfedjax.models.fixup import FixupResNet9
 from bfedjax.models.mobilenet import MobileNetV3Small
+from bfedjax.models.pooling import max_pool
 from bfedjax.models.resnet import ResNet20
 from bfedjax.models.torch_init import TORCH_KERNEL_INIT, torch_uniform_init
 from bfedjax.models.unet import UNet
@@ -86,13 +87,6 @@ def _logits(x: jax.Array) -> jax.Array:
 def _flatten(x: jax.Array) -> jax.Array:
     """``[B, ...] -> [B, prod(...)]``."""
     return x.reshape((x.shape[0], -1))
-
-
-def _max_pool_2x2(x: jax.Array) -> jax.Array:
-    """``[B, H, W, C] -> [B, H//2, W//2, C]`` (floor, VALID), as a max over a reshape."""
-    b, h, w, c = x.shape
-    x = x[:, :h // 2 * 2, :w // 2 * 2, :].reshape(b, h // 2, 2, w // 2, 2, c)
-    return jnp.max(x, axis=(2, 4))
 
 
 class Logistic(nn.Module):
@@ -152,8 +146,8 @@ class FolaCNN(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         x = jnp.asarray(x, self.dtype)
-        x = _max_pool_2x2(nn.relu(_conv(32, (5, 5), "VALID", self.dtype)(x)))
-        x = _max_pool_2x2(nn.relu(_conv(64, (5, 5), "VALID", self.dtype)(x)))
+        x = max_pool(nn.relu(_conv(32, (5, 5), "VALID", self.dtype)(x)), 2)
+        x = max_pool(nn.relu(_conv(64, (5, 5), "VALID", self.dtype)(x)), 2)
         x = _flatten(x)
         x = nn.relu(_dense(512, self.dtype)(x))
         return _logits(_dense(self.num_classes, self.dtype)(x))
@@ -169,15 +163,15 @@ def _first_padding(x: jax.Array, first_padding: str) -> str:
 def _lenet_features(x: jax.Array, first_padding: str, dtype: Dtype) -> jax.Array:
     """LeNet-5's convolutions inside a compact module: 5x5 convs (6, 16), ReLU and 2x2 max-pool each, flattened."""
     x = jnp.asarray(x, dtype)
-    x = _max_pool_2x2(nn.relu(_conv(6, (5, 5), _first_padding(x, first_padding), dtype)(x)))
-    return _flatten(_max_pool_2x2(nn.relu(_conv(16, (5, 5), "VALID", dtype)(x))))
+    x = max_pool(nn.relu(_conv(6, (5, 5), _first_padding(x, first_padding), dtype)(x)), 2)
+    return _flatten(max_pool(nn.relu(_conv(16, (5, 5), "VALID", dtype)(x)), 2))
 
 
 def _cnn2_features(x: jax.Array, dtype: Dtype) -> jax.Array:
     """CNN2's convolutions inside a compact module: 3x3 convs 32 (+pool), 64 (+pool), 64, ReLU, flattened."""
     x = jnp.asarray(x, dtype)
-    x = _max_pool_2x2(nn.relu(_conv(32, (3, 3), "VALID", dtype)(x)))
-    x = _max_pool_2x2(nn.relu(_conv(64, (3, 3), "VALID", dtype)(x)))
+    x = max_pool(nn.relu(_conv(32, (3, 3), "VALID", dtype)(x)), 2)
+    x = max_pool(nn.relu(_conv(64, (3, 3), "VALID", dtype)(x)), 2)
     return _flatten(nn.relu(_conv(64, (3, 3), "VALID", dtype)(x)))
 
 
@@ -274,8 +268,8 @@ class FedRegCNN(nn.Module):
                             dtype=self.dtype)(x)
 
         x = nn.relu(conv(x, 32))
-        x = nn.relu(_max_pool_2x2(conv(x, 32)))
-        x = nn.relu(_max_pool_2x2(conv(x, 64)))
+        x = nn.relu(max_pool(conv(x, 32), 2))
+        x = nn.relu(max_pool(conv(x, 64), 2))
         x = nn.relu(dense(_flatten(x), 256))
         return _logits(dense(x, self.num_classes))
 
