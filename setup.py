@@ -44,6 +44,7 @@ setup(
         "docs": DOCS,
         "experiments": CHECKPOINT + DP + PLOTS + LOGGING,  # what the binaries in experiments/ use
         "bench": BENCH,
-        "dev": CHECKPOINT + DP + PLOTS + LOGGING + TFDS + FETS + FLOWER + NOTEBOOKS + DOCS + BENCH + ["pytest>=7", "pytest-xdist>=3", "mlxtend>=0.23", "hypothesis>=6.100"],
+        "dev": CHECKPOINT + DP + PLOTS + LOGGING + TFDS + FETS + FLOWER + NOTEBOOKS + DOCS + BENCH + ["pytest>=7", "pytest-xdist>=3", "mlxtend>=0.23", "hypothesis>=6.100",
+                "pillow>=10"],  # pillow: the oracle of tests/test_autoaugment.py (bfedjax.data.pil_ops)
     },
 )

@@ -113,7 +113,9 @@ flags.DEFINE_enum("backend", "vmap", list(bf.core.BACKENDS), "Round engine backe
 flags.DEFINE_enum("augment", "none", list(bf.data.AUGMENTATIONS), "Augment every local mini-batch inside the "
                   "jitted round: shift_flip = random shifts of up to 10% of the width/height and horizontal flips "
                   "(Fischer et al.'s CIFAR-10 augmentation); crop_flip = random crops of the image zero-padded "
-                  "by 4 px and horizontal flips (the HBFL spec's CIFAR option).")
+                  "by 4 px and horizontal flips (the HBFL spec's CIFAR option); autoaugment_cutout = FOLA's "
+                  "Table I on RGB 8-bit data: crops with grey padding, flips, AutoAugment's CIFAR-10 policy "
+                  "(Pillow's operations) and Cutout 16.")
 flags.DEFINE_enum("lr_schedule", "constant", list(bf.core.SCHEDULES),
                   "Per-round learning rate: constant, or after --lr_decay_start rounds decayed "
                   "(exponential: lr*exp(-rate*(r-start)), the spec's reading of Fischer et al.).")
@@ -533,11 +535,9 @@ def setup(argv: Sequence[str] = ("run",)) -> Experiment:
     for local in architectures.get("local_models", ()):
         check_model_fits(local, dataset, task, f"--client_architectures={FLAGS.client_architectures}")
     algorithm = algorithm_flags.build(FLAGS, model, fed, {**setting, **architectures})
-    if FLAGS.augment != "none":
-        if dataset.x_train.ndim != 4:
-            raise app.UsageError(f"--augment={FLAGS.augment} needs image data [N, H, W, C]; {dataset.name} has "
-                                 f"shape {dataset.x_train.shape[1:]}; fix: --augment=none")
-        algorithm = bf.data.augmented(algorithm, bf.data.AUGMENTATIONS[FLAGS.augment])
+    augment = bf.data.augmentation(FLAGS.augment, dataset.input_shape, dataset.pixel_norm)
+    if augment is not None:
+        algorithm = bf.data.augmented(algorithm, augment)
     weights = FLAGS.client_weights
     if weights:
         weights = "uniform" if weights == ["uniform"] else [float(w) for w in weights]

