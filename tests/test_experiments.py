@@ -55,6 +55,17 @@ def test_early_stopped_pretraining_augmentation_and_weight_decay_flags(tmp_path)
     assert "for 3 epochs at most, stopping early" in out.stdout and "round    1  GA" in out.stdout
 
 
+def test_fola_table2_preset_runs_with_its_table1_augmentation_on_tfds_mock_cifar10(tmp_path):
+    out = subprocess.run([sys.executable, "tests/tfds_mock_run.py", "--flagfile=experiments/configs/fola_cifar10_table2.flags",
+                          "--rounds=1", "--num_clients=4", "--local_epochs=1", "--max_train=200", "--max_test=50",
+                          "--partition=iid", f"--output_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "fola on cifar10 (tfds:cifar10)" in out.stdout and "round    1  GA" in out.stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["flags"]["augment"] == "autoaugment_cutout" and summary["flags"]["model"] == "fola_cnn"
+
+
 def test_mc_dropout_schedule_and_final_uncertainty(tmp_path):
     out = _run(*SMALL, "--algorithm=fedavg", "--dropout_rate=0.2", "--optimizer=adam", "--lr=0.01",
                "--lr_schedule=exponential", "--lr_decay_start=1", "--rounds=2", "--test_samples=4",
