@@ -5,6 +5,8 @@
 # 2. FedAvg's factored dense update (the saved patch) and the same on large kernels only (on top of it)
 #    against HEAD; if the large-kernels variant is >5% faster at MLP K=100 and no slower at K=1000 and on
 #    the FedReg CNN, the FedAvg target rows with it.
+# 3. (added in session 19) the cost of FOLA's Table I augmentation in a round on the GPU
+#    (experiments.bench_augment; 2 CPU cores: 1.11x FedAvg's round, 1.19x FOLA's).
 # Preparation, here, from the repository root (.gpu/ is in .git/info/exclude), then run with carry [".gpu"]:
 #   S=results/bench/gpu_h200_session16/scripts; rm -rf .gpu && mkdir -p .gpu/data .gpu/head .gpu/old .gpu/v2 .gpu/v3
 #   cp /usr/share/datasets/fashion-mnist/*.gz .gpu/data/; cp $S/ctime.py $S/next_call.sh .gpu/
@@ -32,3 +34,5 @@ echo "bench: $WIN" | tee -a $OUT/probes.txt
   --only="mlp K=100 B=10,mlp K=1000 B=10,fedreg_cnn K=100" --algorithms=fedavg \
   --backends=vmap,torch.func+compile,centralised --output_dir=$OUT/bench 2>&1 | grep -v "Warn\|warn" > $OUT/bench.log)
 grep "^| \(mlp\|fed\)\|ceiling\|torch.func" $OUT/bench/bench.md 2>/dev/null; date +%T
+(cd $G/head && PYTHONPATH=$PWD timeout 100 python3 -m experiments.bench_augment --rounds=5 2>&1 | grep "^|\|device" \
+  | tee $OUT/augment.txt); date +%T
