@@ -96,7 +96,8 @@ SEGMENTATION_EVAL_BATCH_SIZE = 50  # test images per evaluation batch (HD95's di
 
 
 def segmentation(model, *, dice_weight: float = 1.0, eval_batch_size: int = SEGMENTATION_EVAL_BATCH_SIZE) -> Task:
-    """Binary segmentation: a model producing one logit per pixel ``[B, H, W]`` from masks ``y [B, H, W]`` in {0, 1}.
+    """Binary segmentation: a model producing one logit per pixel ``[B, H, W]`` from masks ``y [B, H, W]`` in {0, 1}
+    (or per voxel, ``[B, D, H, W]``, for volumes: ``models.UNet3D``).
 
     loss: pixel-wise binary cross-entropy plus ``dice_weight`` times the soft Dice loss,
       each the mean over the batch's real images (``metrics.segmentation.bce_dice_loss``).

@@ -42,8 +42,9 @@ FLAGS = flags.FLAGS
 # What to run: --algorithm, --lr, --local_epochs, --batch_size and the algorithms' options.
 algorithm_flags.define(FLAGS)
 flags.DEFINE_enum("task", "classification", list(bf.tasks.TASKS), "What the model learns: classification, or "
-                  "binary segmentation (--model=unet on --dataset=vessels, drive or oxford_iiit_pet; BCE + soft-Dice "
-                  "loss; Dice, IoU and HD95 reported; fedavg, fedprox and fedref).")
+                  "binary segmentation (--model=unet on --dataset=vessels, drive, oxford_iiit_pet or fets; "
+                  "--model=unet3d on --dataset=fets_volumes; BCE + soft-Dice loss; Dice, IoU and HD95 reported; "
+                  "fedavg, fedprox and fedref).")
 flags.DEFINE_enum("model", "mlp", list(bf.models.MODELS), "Model architecture.")
 flags.DEFINE_list("hidden", ["200", "200"], "Hidden widths of --model=mlp.")
 flags.DEFINE_enum("compute_dtype", "float32", list(bf.models.COMPUTE_DTYPES), "Dtype of the models' activations "
@@ -52,9 +53,12 @@ flags.DEFINE_float("dropout_rate", 0.0, "MC dropout (MLPs, resnet20): dropout la
                    "(Fischer et al.'s baseline: --algorithm=fedavg --dropout_rate=0.2).")
 # Data.
 flags.DEFINE_enum("dataset", "digits", list(bf.data.DATASETS), "Data set.")
-flags.DEFINE_string("data_dir", None, "Folder with the data set's files (mnist, fashion_mnist: IDX; drive, fets); "
+flags.DEFINE_string("data_dir", None, "Folder with the data set's files (mnist, fashion_mnist: IDX; drive, fets, "
+                    "fets_volumes); "
                     "it must exist and hold them. Unset: $BFEDJAX_DATA_DIR, Debian's folder, TFDS.")
 flags.DEFINE_string("tfds_data_dir", None, "TFDS data_dir with prepared data sets.")
+flags.DEFINE_list("volume_size", None, "--dataset=fets_volumes: resize every volume to D,H,W voxels (e.g. 48,64,64); "
+                  "unset keeps FeTS's grid (155,240,240).")
 flags.DEFINE_integer("max_train", None, "Subsample the training set to this many samples.")
 flags.DEFINE_integer("max_test", None, "Subsample the test set to this many samples.")
 flags.DEFINE_bool("fallback_to_digits", False, "If the data set cannot be had, print a notice and use digits "
@@ -63,7 +67,7 @@ flags.DEFINE_bool("allow_nonfinite_inputs", False, "Keep loaded inputs that hold
                   "the counts) instead of stopping; e.g. to see how the algorithms cope with a poisoned client.")
 flags.DEFINE_enum("partition", "dirichlet_per_class", list(bf.data.PARTITIONERS) + ["institutions"],
                   "How the training set is split over clients (institutions: one client per institution of a data "
-                  "set that records them, --dataset=fets).")
+                  "set that records them, --dataset=fets or fets_volumes).")
 flags.DEFINE_float("alpha", 0.5, "Dirichlet concentration.")
 flags.DEFINE_list("round_fractions", None, "Each round every client trains on the first f * n_k of its samples, f "
                   "drawn from these (default with --partition=nested: 0.5,0.6,0.7,0.8,0.9, FedRef's protocol).")
@@ -218,16 +222,20 @@ def round_fractions():
 
 def make_task(dataset, model):
     """The task of --task, checked against the data, the model and the algorithm; None for classification."""
-    is_masks = dataset.y_train.ndim == 3
+    is_masks = dataset.y_train.ndim in (3, 4)  # [n, H, W] image masks or [n, D, H, W] volume masks
+    segmenter = "unet" if dataset.y_train.ndim == 3 else "unet3d"
     if FLAGS.task == "classification":
         if is_masks:
-            raise app.UsageError(f"{dataset.name} holds segmentation masks; fix: --task=segmentation --model=unet")
+            raise app.UsageError(f"{dataset.name} holds segmentation masks; fix: --task=segmentation "
+                                 f"--model={segmenter}")
         return None
     if not is_masks:
         raise app.UsageError(f"--task=segmentation needs masks; {dataset.name} has class labels; fix: "
                              "--dataset=vessels (offline), drive --data_dir=DIR or oxford_iiit_pet --tfds_data_dir=DIR")
-    if FLAGS.model != "unet":
-        raise app.UsageError(f"--task=segmentation needs a per-pixel model; fix: --model=unet (not {FLAGS.model})")
+    if FLAGS.model != segmenter:
+        what = "volumes [D, H, W]" if segmenter == "unet3d" else "images [H, W]"
+        raise app.UsageError(f"--task=segmentation on {dataset.name}'s {what} needs a per-voxel model; fix: "
+                             f"--model={segmenter} (not {FLAGS.model})")
     if "task" not in bf.algorithms.options_of(FLAGS.algorithm):
         takes = [name for name in bf.algorithms.ALGORITHMS if "task" in bf.algorithms.options_of(name)]
         raise app.UsageError(f"--algorithm={FLAGS.algorithm} trains classifiers only; fix: --algorithm="
@@ -271,11 +279,24 @@ def _load(name: str, **kwargs):
         return bf.data.load(name, **kwargs)
 
 
+def dataset_name() -> str:
+    """--dataset, with --volume_size as the ``fets_volumes/DxHxW`` config ``bf.data.load`` takes."""
+    if not FLAGS.volume_size:
+        return FLAGS.dataset
+    if FLAGS.dataset != "fets_volumes":
+        raise app.UsageError(f"--volume_size resizes --dataset=fets_volumes only, not {FLAGS.dataset}; fix: drop "
+                             "--volume_size")
+    if len(FLAGS.volume_size) != 3 or not all(v.isdigit() and int(v) > 0 for v in FLAGS.volume_size):
+        raise app.UsageError(f"--volume_size={','.join(FLAGS.volume_size)}: need three sizes D,H,W >= 1; fix: e.g. "
+                             "--volume_size=48,64,64")
+    return f"fets_volumes/{'x'.join(FLAGS.volume_size)}"
+
+
 def load_dataset():
     """--dataset, checked by ``bf.data.load``; --fallback_to_digits when it cannot be had (not for a wrong
     --data_dir)."""
     try:
-        return _load(FLAGS.dataset, data_dir=FLAGS.data_dir, tfds_data_dir=FLAGS.tfds_data_dir,
+        return _load(dataset_name(), data_dir=FLAGS.data_dir, tfds_data_dir=FLAGS.tfds_data_dir,
                      max_train=FLAGS.max_train, max_test=FLAGS.max_test, seed=FLAGS.seed, pixels=FLAGS.pixels,
                      allow_nonfinite=FLAGS.allow_nonfinite_inputs)
     except bf.data.DataUnavailableError as err:

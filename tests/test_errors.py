@@ -85,6 +85,8 @@ def _one_error_line(result, needle: str) -> str:
     ("--algorithm=hbfl --distill_alpha=2", "--distill_alpha must be in"),
     ("--task=segmentation", "fix: --dataset=vessels"),
     ("--dataset=vessels", "fix: --task=segmentation --model=unet"),
+    ("--volume_size=8,8,8", "fix: drop --volume_size"),
+    ("--dataset=fets_volumes --volume_size=8,8", "--volume_size=48,64,64"),
     ("--dataset=vessels --task=segmentation --model=unet --algorithm=fola",
      "fix: --algorithm=fedavg or fedprox or fedref"),
     ("--dataset=vessels --task=segmentation --model=unet --algorithm=fedavg", "fix: --partition=nested"),

@@ -146,7 +146,8 @@ def test_vmap_over_stacked_clients():
 
 def test_registry_and_unknown_name():
     assert set(MODELS) == {"logistic", "mlp", "mlp_500_300", "mlp_200_200", "fola_cnn", "lenet", "lenet_unpadded", "cnn1",
-                           "cnn2", "resnet20", "resnet9_fixup", "mobilenet_v3_small", "fedreg_cnn", "mcmahan_cnn", "unet"}
+                           "cnn2", "resnet20", "resnet9_fixup", "mobilenet_v3_small", "fedreg_cnn", "mcmahan_cnn", "unet",
+                           "unet3d"}
     assert isinstance(get_model("fola_cnn", 10), FolaCNN)
     assert isinstance(get_model("McMahan_CNN", 10), McMahanCNN)
     assert isinstance(get_model("lenet", 10), LeNet)

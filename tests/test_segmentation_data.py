@@ -1,6 +1,9 @@
 """Tests for the U-Net (bfedjax.models.unet) and the segmentation sets (bfedjax.data.segmentation)."""
 import functools
+import json
 import os
+import pathlib
+import subprocess
 import sys
 import time
 
@@ -12,6 +15,8 @@ import pytest
 import bfedjax as bf
 from bfedjax.data import DATASETS, DataUnavailableError, load, load_drive, vessels
 from bfedjax.models import UNet, get_model, init_params, num_params
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _dice(pred: np.ndarray, truth: np.ndarray) -> float:
@@ -411,6 +416,57 @@ def test_load_fets_is_seeded_and_standardises(fets_root):
     assert len(bf.data.load_fets(str(fets_root), **{**kw, "test_fraction": 0.2}).y_test) == 4
     with pytest.raises(ValueError, match="test_fraction"):
         bf.data.load_fets(str(fets_root), **{**kw, "test_fraction": 0.1})
+
+
+def test_load_fets_volumes_fake_folder(fets_root):
+    d = bf.data.load_fets_volumes(str(fets_root), test_fraction=0.34, num_partitions=2, pixels="unit")
+    # one sample per subject: 2 partitions x 3 subjects, one test subject each; axes (axial, rows, columns)
+    chex.assert_shape([d.x_train, d.y_train, d.x_test, d.y_test, d.client_ids],
+                      [(4, 12, 32, 32, 1), (4, 12, 32, 32), (2, 12, 32, 32, 1), (2, 12, 32, 32), (4,)])
+    assert (d.name, d.num_classes) == ("fets_volumes", 2)
+    flair, seg = _fets_volumes(20)
+    np.testing.assert_array_equal(d.y_train[0], np.transpose(seg > 0, (2, 0, 1)))  # whole tumour, every slice
+    levels = np.rint(d.x_train[:, 6, 16, 3, 0] * 200).astype(int)  # a brain voxel away from the tumour
+    np.testing.assert_allclose(d.x_train[list(levels).index(20), ..., 0], np.transpose(flair / 200, (2, 0, 1)),
+                               rtol=1e-6)
+    np.testing.assert_array_equal(d.client_ids, np.where(levels <= 40, 0, 1))
+    # the same subjects and split as the 2-D set
+    flat = bf.data.load_fets(str(fets_root), size=32, slices_per_subject=2, test_fraction=0.34, num_partitions=2,
+                             pixels="unit")
+    assert set(_levels(flat.x_test[:, ::2, ::2])) == set(np.rint(d.x_test[:, 6, 16, 3, 0] * 200).astype(int))
+    small = bf.data.load_fets_volumes(str(fets_root), size=(6, 16, 8), test_fraction=0.34, num_partitions=2)
+    chex.assert_shape([small.x_train, small.y_train], [(4, 6, 16, 8, 1), (4, 6, 16, 8)])
+    assert set(np.unique(small.y_train)) == {0, 1}
+    assert abs(float(small.x_train.mean())) < 1e-5  # standardised
+    with pytest.raises(ValueError, match="48, 64, 64"):
+        bf.data.load_fets_volumes(str(fets_root), size=(6, 16))
+
+
+def test_fets_volumes_through_load_and_the_binary(tmp_path):
+    root = _fake_fets(tmp_path / "data", {f"S{p:02d}_{i}": (p, 5 * (3 * p + i)) for p in range(1, 11) for i in range(3)},
+                      {})
+    d = load("fets_volumes/8x16x16", data_dir=str(root), pixels="unit")  # partitions 1..10, 1 of 3 subjects held out
+    chex.assert_shape([d.x_train, d.y_train, d.x_test], [(20, 8, 16, 16, 1), (20, 8, 16, 16), (10, 8, 16, 16, 1)])
+    np.testing.assert_array_equal(np.sort(d.client_ids), np.repeat(np.arange(10), 2))
+    with pytest.raises(ValueError, match="fets_volumes/48x64x64"):
+        load("fets_volumes/8x16", data_dir=str(root))
+    # the 3-D preset, shortened: 2 rounds of 1 epoch, FedRef's reference of p = 1, 8x16x16 volumes
+    out = subprocess.run([sys.executable, "-m", "experiments.run", "--flagfile=experiments/configs/fedref/fets_volumes.flags",
+                          f"--data_dir={root}", "--volume_size=8,16,16", "--fedref_p=1", "--rounds=2",
+                          "--local_epochs=1", f"--output_dir={tmp_path / 'out'}"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "round    2  Dice" in out.stdout and "HD95" in out.stdout
+    rounds = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rounds] == [1, 2]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert (summary["flags"]["model"], summary["flags"]["algorithm"]) == ("unet3d", "fedref")
+    final = summary["final"]
+    assert 0 <= final["iou"] <= final["dice"] <= 1 and final["hd95"] >= 0
+    wrong = subprocess.run([sys.executable, "-m", "experiments.run", "--dataset=fets_volumes", f"--data_dir={root}",
+                            "--volume_size=8,16,16", "--task=segmentation", "--model=unet", "--partition=institutions",
+                            "--num_clients=10", "--rounds=1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert wrong.returncode == 2 and "fix: --model=unet3d" in wrong.stderr and "Traceback" not in wrong.stderr
 
 
 def test_load_fets_through_load_keeps_client_ids_aligned(tmp_path):

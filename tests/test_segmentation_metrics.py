@@ -18,16 +18,17 @@ def _square(h, w, top, left, side):
     return m
 
 
-def _blobs(n, h, w, seed):
-    """``n`` random smooth blob masks ``[n, h, w]`` (some touch the image border)."""
+def _blobs(n, *shape, seed):
+    """``n`` random smooth blob masks ``[n, *shape]`` (images or volumes; some touch the border)."""
     rng = np.random.default_rng(seed)
-    noise = ndimage.gaussian_filter(rng.normal(size=(n, h, w)), sigma=(0, 3, 3))
-    return noise > np.quantile(noise, 0.6, axis=(1, 2), keepdims=True)
+    noise = ndimage.gaussian_filter(rng.normal(size=(n, *shape)), sigma=(0,) + (3,) * len(shape))
+    axes = tuple(range(1, len(shape) + 1))
+    return noise > np.quantile(noise, 0.6, axis=axes, keepdims=True)
 
 
 def _hd95_reference(pred, target):
-    """medpy's hd95 steps with scipy: 4-connected erosion (border_value=0), EDT to the other border."""
-    cross = ndimage.generate_binary_structure(2, 1)
+    """medpy's hd95 steps with scipy: face-connected erosion (border_value=0), EDT to the other border."""
+    cross = ndimage.generate_binary_structure(pred.ndim, 1)
     bp = pred ^ ndimage.binary_erosion(pred, structure=cross)
     bg = target ^ ndimage.binary_erosion(target, structure=cross)
     d_pg = ndimage.distance_transform_edt(~bg)[bp]
@@ -107,6 +108,28 @@ def test_hd95_matches_scipy_reference(shape, seed):
     expected = np.array([_hd95_reference(a, b) for a, b in zip(p, g)])
     assert len(set(np.round(expected, 3))) > 1  # distinct, non-trivial values
     np.testing.assert_allclose(got, expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape,seed,elements", [((12, 20, 16), 3, None), ((9, 14, 11), 4, 1)])
+def test_volume_metrics_match_scipy_and_numpy(shape, seed, elements, monkeypatch):
+    """3-D masks: 6-connected boundaries, exact 3-D distances (elements=1: the query-by-query pass)."""
+    if elements is not None:
+        monkeypatch.setattr(S, "_BROADCAST_DISTANCE_ELEMENTS", elements)
+    p = _blobs(3, *shape, seed=seed)
+    g = _blobs(3, *shape, seed=seed + 100)
+    g[0] = ndimage.binary_dilation(p[0], iterations=1)
+    expected = np.array([_hd95_reference(a, b) for a, b in zip(p, g)])
+    assert len(set(np.round(expected, 3))) > 1
+    np.testing.assert_allclose(S.hausdorff95(p, g), expected, atol=1e-4)
+    inter = (p & g).sum(axis=(1, 2, 3))
+    np.testing.assert_allclose(S.dice(p, g), 2 * inter / (p.sum(axis=(1, 2, 3)) + g.sum(axis=(1, 2, 3))), rtol=1e-6)
+    np.testing.assert_allclose(S.iou(p, g), inter / (p | g).sum(axis=(1, 2, 3)), rtol=1e-6)
+    empty = np.zeros_like(p[:1])
+    np.testing.assert_allclose(S.hausdorff95(empty, g[:1]), np.sqrt(sum(n * n for n in shape)), rtol=1e-6)
+    logits = np.where(p, 2.0, -2.0).astype(np.float32)
+    sums = S.evaluate_batch(logits, g)
+    np.testing.assert_allclose(sums["hd95"], expected.sum(), rtol=1e-5)
+    np.testing.assert_allclose(sums["pixel_accuracy"], (p == g).mean(axis=(1, 2, 3)).sum(), rtol=1e-6)
 
 
 def _authors_dice_iou_numpy(logits, masks):

@@ -25,7 +25,9 @@ labels).
   institutions from ``partitioning_1.csv``) reduced to 2-D: axial FLAIR slices
   with whole-tumour masks; the set also records each training slice's
   institution (``Dataset.client_ids``), which :func:`institution_parts` turns
-  into one client per institution.
+  into one client per institution. :func:`load_fets_volumes` keeps each subject's
+  whole FLAIR volume instead (``x [n, D, H, W, 1]``, ``y [n, D, H, W]``), for
+  :class:`~bfedjax.models.UNet3D`.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ import numpy as np
 
 from bfedjax.data.sources import PIXELS, Dataset, DataUnavailableError, _get_many, _short, _tfds_remedy, tfds_quiet
 
-__all__ = ["vessels", "load_drive", "load_fets", "institution_parts", "load_tfds_segmentation", "load_segmentation",
+__all__ = ["vessels", "load_drive", "load_fets", "load_fets_volumes", "institution_parts", "load_tfds_segmentation", "load_segmentation",
            "trimap_to_mask"]
 
 _DRIVE_FIX = ("fix: pass --data_dir=DIR holding DRIVE's training/ and test/ folders "
@@ -50,11 +52,12 @@ _DRIVE_FIX = ("fix: pass --data_dir=DIR holding DRIVE's training/ and test/ fold
 
 
 def _pack(name: str, x_train, y_train, x_test, y_test, source: str, pixels: str, client_ids=None) -> Dataset:
-    """Images ``[n, H, W]`` or ``[n, H, W, C]`` in [0, 1] and masks ``[n, H, W]`` -> a segmentation :class:`Dataset`.
+    """Images ``[n, H, W]`` or ``[n, H, W, C]`` (or volumes ``[n, D, H, W, 1]``) in [0, 1] and masks ``[n, H, W]``
+    (``[n, D, H, W]``) -> a segmentation :class:`Dataset`.
 
     ``pixels="standardised"`` applies ``(x - mean) / std`` with the training
     set's statistics to both splits: one scalar mean and std for ``[n, H, W]``
-    images, one per channel for ``[n, H, W, C]``; ``"unit"`` keeps [0, 1].
+    images and for volumes, one per channel for ``[n, H, W, C]``; ``"unit"`` keeps [0, 1].
     ``[n, H, W]`` images get a trailing channel axis. ``client_ids`` (optional,
     ``[n_train]``) becomes ``Dataset.client_ids`` as int32.
     """
@@ -360,12 +363,10 @@ def _fets_subject(root: str, subject: str, size: int, k: int, nib) -> tuple[np.n
     if k > flair.shape[2]:
         raise ValueError(f"fets: slices_per_subject={k} but {subject} has {flair.shape[2]} axial slices")
     tumour = np.asarray(seg) > 0
-    brain = flair[flair > 0]
-    scale = float(np.percentile(brain if brain.size else flair, 99))
-    scale = scale if scale > 0 else 1.0
+    scaled = _fets_scaled_flair(flair)
     xs, ys = np.empty((k, size, size), np.float32), np.empty((k, size, size), np.int32)
     for i, z in enumerate(_fets_slices(tumour.sum(axis=(0, 1)), k)):
-        image = Image.fromarray(np.clip(flair[:, :, z] / scale, 0.0, 1.0).astype(np.float32), mode="F")
+        image = Image.fromarray(scaled[:, :, z], mode="F")
         mask = Image.fromarray(tumour[:, :, z].astype(np.uint8), mode="L")
         xs[i] = np.asarray(image.resize((size, size), Image.BILINEAR), np.float32)
         ys[i] = np.asarray(mask.resize((size, size), Image.NEAREST)) > 0
@@ -426,11 +427,18 @@ def load_fets(data_dir: str | None, size: int = 64, slices_per_subject: int = 8,
         what = "no --data_dir given" if root is None else f"{root} is not a folder"
         raise DataUnavailableError(f"fets: {what}; {_FETS_FIX}")
     parts = _fets_partitions(root, num_partitions)
-    try:
-        import nibabel as nib
-    except ImportError as err:
-        raise DataUnavailableError(f"fets: nibabel is not importable ({_short(err)}); fix: pip install "
-                                   "'bfedjax[fets]'") from None
+    nib = _nibabel()
+    (x_tr, y_tr, c_tr), (x_te, y_te, _) = _fets_splits(parts, test_fraction, seed,
+                                                       lambda subject: _fets_subject(root, subject, size, k, nib))
+    return _pack("fets", x_tr, y_tr, x_te, y_te, f"fets:{root}", pixels, client_ids=c_tr)
+
+
+def _fets_splits(parts: dict[int, list[str]], test_fraction: float, seed: int, read):
+    """Whole subjects to train or test, per partition; ``read(subject) -> (x [k, ...], y [k, ...])``.
+
+    Returns ``((x_train, y_train, client_ids_train), (x_test, y_test, client_ids_test))``, rows ordered by
+    partition and subject id; ``client_ids`` is the partition - 1 of each row.
+    """
     splits = {"train": ([], [], []), "test": ([], [], [])}  # images, masks, partition - 1
     for partition, subjects in parts.items():
         n = len(subjects)
@@ -438,15 +446,91 @@ def load_fets(data_dir: str | None, size: int = 64, slices_per_subject: int = 8,
         held = {int(i) for i in np.random.default_rng([seed, partition]).permutation(n)[:n_test]}
         for i, subject in enumerate(subjects):
             xs, ys, ids = splits["test" if i in held else "train"]
-            x, y = _fets_subject(root, subject, size, k, nib)
+            x, y = read(subject)
             xs.append(x)
             ys.append(y)
-            ids.append(np.full(k, partition - 1, np.int32))
+            ids.append(np.full(len(x), partition - 1, np.int32))
     if not splits["test"][0]:
-        raise ValueError(f"fets: test_fraction={test_fraction} holds out no subject of partitions 1..{num_partitions}; "
+        raise ValueError(f"fets: test_fraction={test_fraction} holds out no subject of partitions 1..{len(parts)}; "
                          "fix: a larger test_fraction")
-    (x_tr, y_tr, c_tr), (x_te, y_te, _) = ([np.concatenate(a) for a in split] for split in splits.values())
-    return _pack("fets", x_tr, y_tr, x_te, y_te, f"fets:{root}", pixels, client_ids=c_tr)
+    return tuple(tuple(np.concatenate(a) for a in split) for split in splits.values())
+
+
+def _fets_scaled_flair(flair: np.ndarray) -> np.ndarray:
+    """FLAIR divided by the 99th percentile of its non-zero (brain) voxels, clipped to [0, 1]."""
+    brain = flair[flair > 0]
+    scale = float(np.percentile(brain if brain.size else flair, 99))
+    return np.clip(flair / (scale if scale > 0 else 1.0), 0.0, 1.0).astype(np.float32)
+
+
+def _fets_subject_volume(root: str, subject: str, size: tuple[int, int, int] | None,
+                         nib) -> tuple[np.ndarray, np.ndarray]:
+    """One subject -> (FLAIR ``[1, D, H, W, 1]`` float32 in [0, 1], whole-tumour mask ``[1, D, H, W]`` int32).
+
+    ``D`` is the axial (last voxel) axis, ``H`` and ``W`` the first two voxel axes, as the 2-D
+    slices lie; ``size`` resizes (trilinear image, nearest-neighbour mask), None keeps the grid.
+    """
+    import jax
+
+    flair = _fets_volume(root, subject, "flair", nib)
+    seg = _fets_volume(root, subject, "seg", nib)
+    if flair.shape != seg.shape:
+        raise DataUnavailableError(f"fets: {subject}'s FLAIR {flair.shape} and seg {seg.shape} differ in shape; "
+                                   f"{_FETS_FIX}")
+    image = np.transpose(_fets_scaled_flair(flair), (2, 0, 1))
+    mask = np.transpose(np.asarray(seg) > 0, (2, 0, 1)).astype(np.float32)
+    if size is not None and tuple(size) != image.shape:
+        image = np.asarray(jax.image.resize(image, tuple(size), "linear"), np.float32)
+        mask = np.asarray(jax.image.resize(mask, tuple(size), "nearest"))
+    return image[None, ..., None], (mask > 0.5).astype(np.int32)[None]
+
+
+def load_fets_volumes(data_dir: str | None, size: tuple[int, int, int] | None = None, test_fraction: float = 0.2,
+                      num_partitions: int = 10, seed: int = 0, pixels: str = "standardised") -> Dataset:
+    """FeTS 2021/2022 FLAIR volumes with whole-tumour masks, one client per institution (for ``models.UNet3D``).
+
+    The folder layout, subjects, partitions, test split and intensity scaling are
+    :func:`load_fets`'s; each subject is one sample, its whole volume:
+
+    * axes: ``[D, H, W]`` = (axial, first, second voxel axis), the 2-D slices' layout;
+    * masks: whole tumour, ``seg > 0`` (the FedRef authors train 4 classes: background and
+      labels 1, 2, 4; this binary reduction is the one the 2-D set makes too);
+    * ``size``: resize every volume to ``(D, H, W)`` (trilinear image, nearest-neighbour
+      mask); None keeps FeTS's 155 x 240 x 240 grid, as the authors do. ``load`` reaches
+      it as ``"fets_volumes"`` or ``"fets_volumes/DxHxW"``, e.g. ``fets_volumes/48x64x64``.
+
+    Returns:
+      ``Dataset(name="fets_volumes")``: ``x_* [n, D, H, W, 1]`` float32, ``y_* [n, D, H, W]`` int32 in
+      {0, 1}, ``num_classes = 2``, ``client_ids [n_train]`` (partition - 1).
+
+    Raises:
+      As :func:`load_fets`.
+    """
+    if pixels not in PIXELS:
+        raise ValueError(f"pixels={pixels!r}; choose one of {PIXELS}")
+    if size is not None and (len(size) != 3 or min(int(v) for v in size) < 1):
+        raise ValueError(f"fets_volumes: size must be three sizes >= 1 (D, H, W), got {size}; fix: e.g. (48, 64, 64)")
+    if not 0 <= test_fraction < 1 or int(num_partitions) < 1:
+        raise ValueError(f"fets_volumes: need test_fraction in [0, 1) and num_partitions >= 1, got {test_fraction}, "
+                         f"{num_partitions}")
+    root = os.path.expanduser(data_dir) if data_dir else None
+    if root is None or not os.path.isdir(root):
+        what = "no --data_dir given" if root is None else f"{root} is not a folder"
+        raise DataUnavailableError(f"fets_volumes: {what}; {_FETS_FIX}")
+    parts = _fets_partitions(root, int(num_partitions))
+    nib = _nibabel()
+    (x_tr, y_tr, c_tr), (x_te, y_te, _) = _fets_splits(
+        parts, test_fraction, seed, lambda subject: _fets_subject_volume(root, subject, size, nib))
+    return _pack("fets_volumes", x_tr, y_tr, x_te, y_te, f"fets:{root}", pixels, client_ids=c_tr)
+
+
+def _nibabel():
+    try:
+        import nibabel as nib
+    except ImportError as err:
+        raise DataUnavailableError(f"fets: nibabel is not importable ({_short(err)}); fix: pip install "
+                                   "'bfedjax[fets]'") from None
+    return nib
 
 
 def institution_parts(client_ids) -> list[np.ndarray]:
@@ -583,7 +667,8 @@ def load_segmentation(name: str, data_dir: str | None = None, *, max_train: int 
     ``fets``: :func:`load_fets` from ``data_dir`` with its defaults (64x64, 8
     slices per subject, partitions 1..10, the subject split of seed 0, fixed
     like DRIVE's), then the same seeded subset of slices; ``client_ids`` keeps
-    the kept training rows.
+    the kept training rows. ``fets_volumes`` / ``fets_volumes/DxHxW``: :func:`load_fets_volumes`
+    (native grid, or resized to ``D x H x W``), then a seeded subset of volumes.
     """
     if name == "vessels":
         return vessels(400 if max_train is None else max_train, 100 if max_test is None else max_test,
@@ -595,4 +680,9 @@ def load_segmentation(name: str, data_dir: str | None = None, *, max_train: int 
                                       max_train=max_train, max_test=max_test, seed=seed)
     if name == "fets":
         return _limit(load_fets(data_dir, pixels=pixels), max_train, max_test, seed)
-    raise ValueError(f"unknown segmentation set {name!r}; valid: vessels, drive, oxford_iiit_pet, fets")
+    base, _, config = name.partition("/")
+    if base == "fets_volumes":
+        size = tuple(int(v) for v in config.split("x")) if config else None
+        return _limit(load_fets_volumes(data_dir, size, pixels=pixels), max_train, max_test, seed)
+    raise ValueError(f"unknown segmentation set {name!r}; valid: vessels, drive, oxford_iiit_pet, fets, "
+                     "fets_volumes[/DxHxW]")

@@ -26,6 +26,7 @@ import gzip
 import importlib.util
 import logging
 import os
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -58,6 +59,7 @@ DATASETS = (
     "drive",
     "oxford_iiit_pet",  # segmentation too: Oxford-IIIT Pet from TFDS, 64x64 RGB, pet-or-border masks
     "fets",  # segmentation too: FeTS 2021/2022 brain MRI from data_dir, 2-D FLAIR slices, whole-tumour masks
+    "fets_volumes",  # the same subjects' whole FLAIR volumes [D, H, W] (fets_volumes/DxHxW resizes them)
 )
 
 _EMNIST_CONFIGS = ("byclass", "bymerge", "balanced", "letters", "digits", "mnist")
@@ -403,9 +405,11 @@ def _canonical(name: str) -> tuple[str, str | None]:
     base = base.replace("-", "_")
     if base == "fashionmnist":
         base = "fashion_mnist"
-    valid = ", ".join(DATASETS) + ", emnist/<" + "|".join(_EMNIST_CONFIGS) + ">"
-    if base not in DATASETS or (config and base != "emnist"):
+    valid = ", ".join(DATASETS) + ", emnist/<" + "|".join(_EMNIST_CONFIGS) + ">, fets_volumes/<D>x<H>x<W>"
+    if base not in DATASETS or (config and base not in ("emnist", "fets_volumes")):
         raise ValueError(f"unknown data set {name!r}; fix: use one of the valid names: {valid}")
+    if base == "fets_volumes" and config and not re.fullmatch(r"[1-9]\d*x[1-9]\d*x[1-9]\d*", config):
+        raise ValueError(f"{name!r}: the volume size is D x H x W in voxels; fix: e.g. fets_volumes/48x64x64")
     if base == "emnist":
         config = config or "balanced"
         if config not in _EMNIST_CONFIGS:
@@ -611,8 +615,10 @@ def load(
 
     Segmentation sets (``bfedjax.data.segmentation``): ``vessels`` (procedural;
     ``max_train``/``max_test`` are its sizes, default 400/100, ``seed`` seeds it)
-    ``drive`` (DRIVE in ``data_dir``) and ``oxford_iiit_pet`` (TFDS, 64x64 RGB, pet-or-border
-    masks); their ``y_*`` are ``[n, H, W]`` masks.
+    ``drive`` (DRIVE in ``data_dir``), ``oxford_iiit_pet`` (TFDS, 64x64 RGB, pet-or-border
+    masks) and ``fets`` (FeTS slices in ``data_dir``); their ``y_*`` are ``[n, H, W]`` masks.
+    ``fets_volumes`` (or ``fets_volumes/DxHxW``, resized): whole FeTS volumes, ``x_* [n, D, H, W, 1]``
+    and ``y_* [n, D, H, W]``.
 
     Returns:
       :class:`Dataset` with ``x_* [n, H, W, C]`` float32 and ``y_* [n]`` int32.
@@ -638,11 +644,11 @@ def _load(name: str, data_dir: str | None, *, tfds_data_dir: str | None, max_tra
     unit = pixels == "unit"
     base, config = _canonical(name)
     _check_data_dir(base, data_dir)
-    if base in ("vessels", "drive", "oxford_iiit_pet", "fets"):  # [n, H, W] masks: own packing, no stratified
-        # subsampling
+    if base in ("vessels", "drive", "oxford_iiit_pet", "fets", "fets_volumes"):  # [n, H, W] or [n, D, H, W] masks:
+        # own packing, no stratified subsampling
         from bfedjax.data.segmentation import load_segmentation
 
-        return load_segmentation(base, data_dir, max_train=max_train, max_test=max_test, seed=seed, pixels=pixels,
+        return load_segmentation(f"{base}/{config}" if config else base, data_dir, max_train=max_train, max_test=max_test, seed=seed, pixels=pixels,
                                  tfds_data_dir=tfds_data_dir, tfds_download=tfds_download)
     kw = dict(max_train=max_train, max_test=max_test, seed=seed)
     if base == "digits":

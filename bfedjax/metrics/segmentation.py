@@ -1,9 +1,11 @@
-"""Binary segmentation metrics and losses for 2-D images, usable inside ``jax.jit``.
+"""Binary segmentation metrics and losses for 2-D images and 3-D volumes, usable inside ``jax.jit``.
 
 Conventions (all functions):
 
-* ``logits [B, H, W]`` float, one logit per pixel; the hard prediction is ``logits > 0``.
-* ``masks [B, H, W]`` int/float/bool in {0, 1} (1 = foreground).
+* ``logits [B, *S]`` float, one logit per pixel (voxel), ``S`` the spatial shape ``(H, W)``
+  or ``(D, H, W)``; the hard prediction is ``logits > 0``. Shapes below are written for
+  images, ``[B, H, W]``; every function takes volumes alike.
+* ``masks [B, *S]`` int/float/bool in {0, 1} (1 = foreground).
 * ``weights [B]`` float, optional: 1 = real image, 0 = padding row of a padded batch.
   ``None`` means every image is real. Weighted means divide by ``sum(weights)`` and are 0
   when it is 0.
@@ -58,11 +60,16 @@ def _weights_or_ones(weights, batch: int):
     return jnp.ones((batch,), jnp.float32) if weights is None else jnp.asarray(weights, jnp.float32)
 
 
+def _spatial(x) -> tuple[int, ...]:
+    """The spatial axes of ``x [B, *S]``: every axis but the first."""
+    return tuple(range(1, jnp.ndim(x)))
+
+
 def _counts(pred, target):
     """Per-image ``(|P∩G|, |P|, |G|)``, each ``[B]`` float, of hard masks ``[B, H, W]``."""
     p = jnp.asarray(pred).astype(bool)
     g = jnp.asarray(target).astype(bool)
-    count = lambda m: jnp.sum(m, axis=(1, 2)).astype(jnp.float32)
+    count = lambda m: jnp.sum(m, axis=_spatial(m)).astype(jnp.float32)
     return count(p & g), count(p), count(g)
 
 
@@ -100,7 +107,7 @@ def iou(pred, target):
 def pixel_accuracy(pred, target):
     """Per-image fraction of pixels where hard masks ``pred``, ``target [B, H, W]`` agree; ``[B]``."""
     agree = jnp.asarray(pred).astype(bool) == jnp.asarray(target).astype(bool)
-    return jnp.mean(agree, axis=(1, 2)).astype(jnp.float32)
+    return jnp.mean(agree, axis=_spatial(agree)).astype(jnp.float32)
 
 
 # ---------------------------------------------------------------------------- Hausdorff 95
@@ -108,32 +115,51 @@ def pixel_accuracy(pred, target):
 
 @jax.jit
 def boundary(mask):
-    """Inner boundary ``mask AND NOT erosion(mask)`` of one hard mask ``[H, W]`` -> ``[H, W]`` bool.
+    """Inner boundary ``mask AND NOT erosion(mask)`` of one hard mask ``[H, W]`` (or ``[D, H, W]``), bool.
 
-    The erosion uses the 4-connected cross and treats pixels outside the image as
-    background, as medpy's ``hd95`` does (scipy ``binary_erosion`` with its default
-    ``border_value=0``): a foreground pixel on the image edge is always a boundary pixel.
+    The erosion uses the 4-connected cross (6-connected in 3-D: the face neighbours) and
+    treats pixels outside the image as background, as medpy's ``hd95`` does (scipy
+    ``binary_erosion`` with its default ``border_value=0``): a foreground pixel on the
+    image edge is always a boundary pixel.
     """
     m = jnp.asarray(mask).astype(bool)
     pad = jnp.pad(m, 1, constant_values=False)
-    eroded = m & pad[:-2, 1:-1] & pad[2:, 1:-1] & pad[1:-1, :-2] & pad[1:-1, 2:]
+    eroded = m
+    for axis in range(m.ndim):
+        for shift in (0, 2):
+            index = tuple(slice(shift, shift + m.shape[a]) if a == axis else slice(1, 1 + m.shape[a])
+                          for a in range(m.ndim))
+            eroded = eroded & pad[index]
     return m & ~eroded
 
 
-def _sq_dist_to_set(member):
-    """Squared Euclidean distance from every pixel to the nearest ``True`` of ``member [H, W]``.
+# Above this many elements, one axis' min-plus pass loops over query positions instead of broadcasting.
+_BROADCAST_DISTANCE_ELEMENTS = 2 ** 24
 
-    Exact and separable: first the squared row offset to the nearest member in each
-    column, ``[H(query row), W(column)]``, then the min over columns of that plus the
-    squared column offset. ``+inf`` everywhere when ``member`` is empty. Returns ``[H, W]``.
+
+def _min_plus_squared_offsets(d, axis: int):
+    """``out[..., i, ...] = min_j d[..., j, ...] + (i - j)^2`` along ``axis`` (one pass of the exact EDT)."""
+    n = d.shape[axis]
+    moved = jnp.moveaxis(d, axis, 0)  # [n, ...]
+    positions = jnp.arange(n, dtype=jnp.float32)
+    offsets = jnp.square(positions[:, None] - positions[None, :]).reshape((n, n) + (1,) * (moved.ndim - 1))
+    if n * d.size <= _BROADCAST_DISTANCE_ELEMENTS:
+        out = jnp.min(moved[None] + offsets, axis=1)
+    else:  # one query position at a time: memory of one volume
+        out = jax.lax.map(lambda row: jnp.min(moved + row, axis=0), offsets)
+    return jnp.moveaxis(out, 0, axis)
+
+
+def _sq_dist_to_set(member):
+    """Squared Euclidean distance from every pixel to the nearest ``True`` of ``member [H, W]`` (or ``[D, H, W]``).
+
+    Exact and separable: one min-plus pass of squared offsets per axis. ``+inf`` everywhere
+    when ``member`` is empty. Returns the shape of ``member``.
     """
-    h, w = member.shape
-    rows = jnp.arange(h, dtype=jnp.float32)
-    cols = jnp.arange(w, dtype=jnp.float32)
-    dr2 = jnp.square(rows[:, None] - rows[None, :])  # [query row, member row]
-    col_best = jnp.min(jnp.where(member[None, :, :], dr2[:, :, None], jnp.inf), axis=1)  # [H, W]
-    dc2 = jnp.square(cols[:, None] - cols[None, :])  # [query col, member col]
-    return jnp.min(col_best[:, None, :] + dc2[None, :, :], axis=2)
+    d = jnp.where(member, 0.0, jnp.inf).astype(jnp.float32)
+    for axis in range(member.ndim):
+        d = _min_plus_squared_offsets(d, axis)
+    return d
 
 
 def _percentile95_of_members(values, members):
@@ -154,8 +180,7 @@ def _percentile95_of_members(values, members):
 
 
 def _hd95_one(pred, target):
-    """Hausdorff 95 of one pair of hard masks ``[H, W]`` -> scalar (see :func:`hausdorff95`)."""
-    h, w = pred.shape
+    """Hausdorff 95 of one pair of hard masks ``[H, W]`` or ``[D, H, W]`` -> scalar (see :func:`hausdorff95`)."""
     bp, bg = boundary(pred), boundary(target)
     d_pg = jnp.sqrt(_sq_dist_to_set(bg))  # for every pixel: distance to G's boundary
     d_gp = jnp.sqrt(_sq_dist_to_set(bp))
@@ -163,25 +188,26 @@ def _hd95_one(pred, target):
     members = jnp.concatenate([bp.ravel(), bg.ravel()])
     hd = _percentile95_of_members(pooled, members)
     has_p, has_g = jnp.any(bp), jnp.any(bg)
-    diagonal = jnp.sqrt(jnp.float32(h * h + w * w))
+    diagonal = jnp.sqrt(jnp.float32(sum(n * n for n in pred.shape)))
     return jnp.where(has_p & has_g, hd, jnp.where(has_p | has_g, diagonal, 0.0))
 
 
 @jax.jit
 def hausdorff95(pred, target):
-    """Per-image 95th-percentile symmetric Hausdorff distance, in pixels, as medpy's ``hd95``.
+    """Per-image 95th-percentile symmetric Hausdorff distance, in pixels (voxels), as medpy's ``hd95``.
 
     For each image: boundaries ``B_P``, ``B_G`` by :func:`boundary` (4-connected erosion,
-    outside the image = background); directed distances ``d(P->G)`` = for every pixel of
-    ``B_P`` the Euclidean distance to the nearest pixel of ``B_G``, and ``d(G->P)``
-    likewise; the result is ``numpy.percentile(concatenate(d(P->G), d(G->P)), 95)``
-    (linear interpolation).
+    6-connected in 3-D, outside the image = background); directed distances ``d(P->G)`` =
+    for every pixel of ``B_P`` the Euclidean distance to the nearest pixel of ``B_G``, and
+    ``d(G->P)`` likewise; the result is ``numpy.percentile(concatenate(d(P->G), d(G->P)), 95)``
+    (linear interpolation). Unit spacing in every axis.
 
     Args:
-      pred, target: hard masks ``[B, H, W]`` (bool or 0/1).
+      pred, target: hard masks ``[B, H, W]`` or ``[B, D, H, W]`` (bool or 0/1).
     Returns:
       ``[B]`` float32. Both masks empty -> 0.0; exactly one empty -> the image diagonal
-      ``sqrt(H^2 + W^2)``, a finite worst-case penalty (medpy raises an error instead).
+      ``sqrt(H^2 + W^2)`` (``sqrt(D^2 + H^2 + W^2)``), a finite worst-case penalty (medpy
+      raises an error instead).
     """
     pred = jnp.asarray(pred).astype(bool)
     target = jnp.asarray(target).astype(bool)
@@ -222,8 +248,8 @@ def authors_pooled_stats(logits, masks, weights=None):
       :func:`_authors_probs` and ``t`` the one-hot mask.
     """
     p, t = _authors_probs(logits), _onehot(masks)
-    w = _weights_or_ones(weights, p.shape[0])[:, None, None, None]
-    total = lambda x: jnp.sum(x * w, axis=(0, 2, 3))
+    w = _weights_or_ones(weights, p.shape[0]).reshape((-1,) + (1,) * (p.ndim - 1))
+    total = lambda x: jnp.sum(x * w, axis=(0,) + tuple(range(2, p.ndim)))
     return total(p * t), total(p + t), total(t)
 
 
@@ -290,8 +316,8 @@ def authors_hd95(logits, masks):
     """
     z = jnp.asarray(logits, jnp.float32)
     pred_map = jax.nn.sigmoid(jnp.stack([jnp.zeros_like(z), z], axis=1))
-    dist = jnp.sqrt(jnp.sum(jnp.square(pred_map - _onehot(masks) + PAIRWISE_EPS), axis=-1))  # [B, 2, H]
-    return jnp.max(dist, axis=(1, 2))
+    dist = jnp.sqrt(jnp.sum(jnp.square(pred_map - _onehot(masks) + PAIRWISE_EPS), axis=-1))  # [B, 2, H] ([B, 2, D, H])
+    return jnp.max(dist, axis=tuple(range(1, dist.ndim)))
 
 
 # ---------------------------------------------------------------------------- losses
@@ -301,15 +327,15 @@ def _per_image_soft_dice_loss(logits, masks, smooth):
     """``[B]``: ``1 - (2 sum(p t) + smooth) / (sum p + sum t + smooth)``, ``p = sigmoid(logits)``."""
     p = jax.nn.sigmoid(jnp.asarray(logits, jnp.float32))
     t = jnp.asarray(masks, jnp.float32)
-    inter = jnp.sum(p * t, axis=(1, 2))
-    card = jnp.sum(p, axis=(1, 2)) + jnp.sum(t, axis=(1, 2))
+    inter = jnp.sum(p * t, axis=_spatial(p))
+    card = jnp.sum(p, axis=_spatial(p)) + jnp.sum(t, axis=_spatial(t))
     return 1.0 - (2.0 * inter + smooth) / (card + smooth)
 
 
 def _per_image_bce_dice(logits, masks, dice_weight, smooth=1.0):
     """``[B]``: per-image mean pixel BCE-with-logits + ``dice_weight`` * per-image soft Dice loss."""
     bce = optax.sigmoid_binary_cross_entropy(jnp.asarray(logits, jnp.float32), jnp.asarray(masks, jnp.float32))
-    return jnp.mean(bce, axis=(1, 2)) + dice_weight * _per_image_soft_dice_loss(logits, masks, smooth)
+    return jnp.mean(bce, axis=_spatial(bce)) + dice_weight * _per_image_soft_dice_loss(logits, masks, smooth)
 
 
 @jax.jit

@@ -7,6 +7,7 @@ from bfedjax.models.fixup import FixupResNet9
 from bfedjax.models.mobilenet import MobileNetV3Small
 from bfedjax.models.resnet import ResNet20
 from bfedjax.models.unet import UNet
+from bfedjax.models.unet3d import UNet3D
 from bfedjax.models.zoo import (
     COMPUTE_DTYPES,
     DROPOUT_MODELS,
@@ -28,7 +29,7 @@ from bfedjax.models.zoo import (
 )
 
 __all__ = [
-    "Logistic", "MLP", "FolaCNN", "LeNet", "CNN1", "CNN2", "CNN2Trunk", "FedRegCNN", "McMahanCNN", "ResNet20", "FixupResNet9", "MobileNetV3Small", "UNet",
+    "Logistic", "MLP", "FolaCNN", "LeNet", "CNN1", "CNN2", "CNN2Trunk", "FedRegCNN", "McMahanCNN", "ResNet20", "FixupResNet9", "MobileNetV3Small", "UNet", "UNet3D",
     "MODELS", "DROPOUT_MODELS", "COMPUTE_DTYPES", "compute_dtype_of", "get_model", "init_params", "num_params",
     "local_response_normalization", "client_architectures", "parse_architectures", "apply", "apply_fn_of",
     "train_apply_fn_of", "mc_predict_proba",

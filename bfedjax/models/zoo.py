@@ -59,6 +59,7 @@ from bfedjax.models.pooling import max_pool
 from bfedjax.models.resnet import ResNet20
 from bfedjax.models.torch_init import TORCH_KERNEL_INIT, torch_uniform_init
 from bfedjax.models.unet import UNet
+from bfedjax.models.unet3d import UNet3D
 
 Params = Any  # a pytree of arrays (the 'params' collection)
 
@@ -408,13 +409,16 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "mobilenet_v3_small": lambda num_classes, hidden=None: MobileNetV3Small(num_classes=num_classes),
     # Segmentation: num_classes == 2 is binary, one foreground logit per pixel ([B, H, W]).
     "unet": lambda num_classes, hidden=None: UNet(out_channels=1 if num_classes == 2 else num_classes),
+    # FedRef's FeTS model (models.unet3d): pytorch-3dunet's UNet3D, f_maps 4, 4 levels, GroupNorm 4; volumes.
+    "unet3d": lambda num_classes, hidden=None: UNet3D(out_channels=1 if num_classes == 2 else num_classes),
 }
 """name -> factory ``(num_classes, hidden=None[, dropout_rate]) -> nn.Module``.
 
 ``hidden`` is only used by ``"mlp"`` (default ``(200, 200)``); the other
 entries ignore it. Only the MLPs and ``"resnet20"`` take a ``dropout_rate``.
 ``"unet"`` is a segmentation net (``models.unet``): logits ``[B, H, W]`` for
-``num_classes == 2`` (one foreground logit), else ``[B, H, W, num_classes]``.
+``num_classes == 2`` (one foreground logit), else ``[B, H, W, num_classes]``;
+``"unet3d"`` (``models.unet3d``) the same for volumes, ``[B, D, H, W(, num_classes)]``.
 """
 
 
