@@ -422,12 +422,7 @@ def load_fets(data_dir: str | None, size: int = 64, slices_per_subject: int = 8,
     if size < 1 or k < 1 or num_partitions < 1 or not 0 <= test_fraction < 1:
         raise ValueError(f"fets: need size, slices_per_subject, num_partitions >= 1 and test_fraction in [0, 1), got "
                          f"{size}, {k}, {num_partitions}, {test_fraction}")
-    root = os.path.expanduser(data_dir) if data_dir else None
-    if root is None or not os.path.isdir(root):
-        what = "no --data_dir given" if root is None else f"{root} is not a folder"
-        raise DataUnavailableError(f"fets: {what}; {_FETS_FIX}")
-    parts = _fets_partitions(root, num_partitions)
-    nib = _nibabel()
+    root, parts, nib = _fets_source("fets", data_dir, num_partitions)
     (x_tr, y_tr, c_tr), (x_te, y_te, _) = _fets_splits(parts, test_fraction, seed,
                                                        lambda subject: _fets_subject(root, subject, size, k, nib))
     return _pack("fets", x_tr, y_tr, x_te, y_te, f"fets:{root}", pixels, client_ids=c_tr)
@@ -513,15 +508,19 @@ def load_fets_volumes(data_dir: str | None, size: tuple[int, int, int] | None = 
     if not 0 <= test_fraction < 1 or int(num_partitions) < 1:
         raise ValueError(f"fets_volumes: need test_fraction in [0, 1) and num_partitions >= 1, got {test_fraction}, "
                          f"{num_partitions}")
-    root = os.path.expanduser(data_dir) if data_dir else None
-    if root is None or not os.path.isdir(root):
-        what = "no --data_dir given" if root is None else f"{root} is not a folder"
-        raise DataUnavailableError(f"fets_volumes: {what}; {_FETS_FIX}")
-    parts = _fets_partitions(root, int(num_partitions))
-    nib = _nibabel()
+    root, parts, nib = _fets_source("fets_volumes", data_dir, int(num_partitions))
     (x_tr, y_tr, c_tr), (x_te, y_te, _) = _fets_splits(
         parts, test_fraction, seed, lambda subject: _fets_subject_volume(root, subject, size, nib))
     return _pack("fets_volumes", x_tr, y_tr, x_te, y_te, f"fets:{root}", pixels, client_ids=c_tr)
+
+
+def _fets_source(name: str, data_dir: str | None, num_partitions: int):
+    """``(root, {partition: subjects}, nibabel)`` of a FeTS folder, or a one-line DataUnavailableError."""
+    root = os.path.expanduser(data_dir) if data_dir else None
+    if root is None or not os.path.isdir(root):
+        what = "no --data_dir given" if root is None else f"{root} is not a folder"
+        raise DataUnavailableError(f"{name}: {what}; {_FETS_FIX}")
+    return root, _fets_partitions(root, num_partitions), _nibabel()
 
 
 def _nibabel():
