@@ -8,6 +8,8 @@ in without touching ``bfedjax.core``.
 """
 from __future__ import annotations
 
+import math
+
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -93,6 +95,13 @@ def classification(model, *, eval_batch_size: int = EVAL_BATCH_SIZE, predict_bat
 
 
 SEGMENTATION_EVAL_BATCH_SIZE = 50  # test images per evaluation batch (HD95's distance transforms are per image)
+SEGMENTATION_EVAL_VOXELS = 2 ** 22  # and at most this many pixels (voxels) per batch, so whole volumes go few at a time
+
+
+def _segmentation_batch(x, eval_batch_size: int) -> int:
+    """Samples per evaluation batch: ``eval_batch_size``, fewer where that would exceed ``SEGMENTATION_EVAL_VOXELS``."""
+    voxels = math.prod(x.shape[1:-1])
+    return max(1, min(eval_batch_size, SEGMENTATION_EVAL_VOXELS // max(voxels, 1)))
 
 
 def segmentation(model, *, dice_weight: float = 1.0, eval_batch_size: int = SEGMENTATION_EVAL_BATCH_SIZE) -> Task:
@@ -116,16 +125,17 @@ def segmentation(model, *, dice_weight: float = 1.0, eval_batch_size: int = SEGM
         return seg.bce_dice_loss(apply_fn(params, batch.x), batch.y, batch.mask, dice_weight)
 
     def evaluate(params, x, y, mask=None):
-        xb, yb, mb = padded_batches(x, y, eval_batch_size)
+        size = _segmentation_batch(x, eval_batch_size)
+        xb, yb, mb = padded_batches(x, y, size)
         if mask is not None:
-            mb = mb * padded_batches(jnp.zeros(y.shape[:1]), jnp.asarray(mask, jnp.float32), eval_batch_size)[1]
+            mb = mb * padded_batches(jnp.zeros(y.shape[:1]), jnp.asarray(mask, jnp.float32), size)[1]
         sums = map_real_batches(lambda b: seg.evaluate_batch(apply_fn(params, b[0]), b[1], b[2]), (xb, yb, mb), mb)
         scores = seg.summarize(jax.tree.map(lambda v: jnp.sum(v, axis=0), sums))
         return {name: value for name, value in scores.items() if name != "count"}
 
     def predict(params, x, key, num_samples: int):
         del key, num_samples
-        return in_batches(lambda xb: jax.nn.sigmoid(apply_fn(params, xb))[None], x, eval_batch_size)
+        return in_batches(lambda xb: jax.nn.sigmoid(apply_fn(params, xb))[None], x, _segmentation_batch(x, eval_batch_size))
 
     def init_params(key, input_shape):
         from bfedjax.models.zoo import init_params as zoo_init

@@ -119,3 +119,22 @@ def test_binary_head_and_input_errors():
         model.apply(params, jnp.ones((2, 8, 8, 8)))
     with pytest.raises(ValueError, match="levels >= 2"):
         bf.models.UNet3D(levels=1).init(jax.random.PRNGKey(0), jnp.zeros((1, 4, 4, 4, 1)))
+
+
+def test_segmentation_task_evaluates_volumes_in_voxel_bounded_batches(monkeypatch):
+    from bfedjax import tasks
+    model = bf.models.UNet3D(features=4, levels=2)
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(5, 8, 8, 6, 1)), jnp.float32)
+    y = jnp.asarray(rng.random((5, 8, 8, 6)) < 0.3, jnp.int32)
+    task = bf.tasks.segmentation(model)
+    params = task.init_params(jax.random.PRNGKey(0), x.shape[1:])
+    fets = jax.ShapeDtypeStruct((1, 155, 240, 240, 1), jnp.float32)
+    assert tasks._segmentation_batch(x, 50) == 50 and tasks._segmentation_batch(fets, 50) == 1
+    whole = task.evaluate(params, x, y)
+    monkeypatch.setattr(tasks, "SEGMENTATION_EVAL_VOXELS", 2 * 8 * 8 * 6)  # two volumes a batch: 3 batches, one padded
+    assert tasks._segmentation_batch(x, 50) == 2
+    pieces = task.evaluate(params, x, y)
+    for name in ("dice", "iou", "hd95", "loss"):
+        np.testing.assert_allclose(pieces[name], whole[name], rtol=1e-5, atol=1e-6)
+    assert float(whole["hd95"]) > 0
