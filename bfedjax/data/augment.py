@@ -1,12 +1,13 @@
-"""Mini-batch augmentation inside the jitted round (CIFAR-10 shifts or crops, and flips).
+"""Mini-batch augmentation inside the jitted round (CIFAR-10 shifts or crops and flips, AutoAugment).
 
 ``random_shift_flip`` (Fischer et al.) shifts every image by a random whole number
 of pixels (up to ``max_shift`` of its height and width, the Keras ``width_shift_range``
 / ``height_shift_range`` of 0.1, about 3 px on 32x32), filling the border with the
 nearest edge pixel, and mirrors it left-right with probability 1/2.
 ``random_crop_flip`` (the HBFL spec's CIFAR option) is the usual random crop of the
-image zero-padded by ``padding`` pixels on every side (a shift of up to ``padding``
-pixels with zero fill, the mean pixel of standardised inputs), then the same flip.
+image padded by ``padding`` pixels on every side (a shift of up to ``padding``
+pixels; the fill is 0 by default, the mean pixel of standardised inputs), then the same flip.
+``autoaugment_cutout`` (:mod:`bfedjax.data.autoaugment`) is FOLA's Table I on 8-bit RGB levels.
 ``augmented(algorithm, fn)`` makes any algorithm augment each local batch with
 a key split from that step's key, so augmentation works for every client type
 (SGD, variational, FedReg) without touching its training step.
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from bfedjax.core.types import Algorithm
+from bfedjax.data.autoaugment import autoaugment_cutout
 
 AugmentFn = Callable[[jax.Array, jax.Array], jax.Array]  # (x [B, H, W, C], key) -> x'
 
@@ -84,15 +86,10 @@ def _shifted(x: jax.Array, key: jax.Array, dh: int, dw: int, flip: bool, mode: s
     return out
 
 
-def _autoaugment_cutout(x: jax.Array, key: jax.Array, *, pixel_norm) -> jax.Array:
-    from bfedjax.data.autoaugment import autoaugment_cutout
-
-    return autoaugment_cutout(x, key, pixel_norm=pixel_norm)
-
-
-# name -> (x [B, H, W, C], key) -> x'; entries that take ``pixel_norm`` get the data set's (see ``augmentation``).
+# name -> (x [B, H, W, C], key) -> x'; entries that take ``pixel_norm`` get the data set's (see ``augmentation``;
+# called directly, autoaugment_cutout assumes FOLA's CIFAR-10 standardisation, 0.5 / 0.5).
 AUGMENTATIONS = {"none": None, "shift_flip": random_shift_flip, "crop_flip": random_crop_flip,
-                 "autoaugment_cutout": _autoaugment_cutout}
+                 "autoaugment_cutout": autoaugment_cutout}
 NEEDS_PIXEL_LEVELS = ("autoaugment_cutout",)
 
 

@@ -88,10 +88,11 @@ class _Op(NamedTuple):
     params: Callable[[float, int, int], Sequence[float]]  # (signed strength, H, W) -> parameters
     dtype: type  # of the parameters
     apply: Callable  # (levels [B, H, W, C], params [B, P], blend table) -> levels
+    blend: bool = False  # the parameter is a blend factor, replaced by its row of the policy's blend table
 
 
-def _enhance(fn) -> _Op:  # parameter: the blend factor 1 + strength, replaced by its blend-table row
-    return _Op(True, lambda s, h, w: (1.0 + s,), np.float64, lambda x, p, table: fn(x, p[:, 0], table))
+def _enhance(fn) -> _Op:  # parameter: the blend factor 1 + strength
+    return _Op(True, lambda s, h, w: (1.0 + s,), np.float64, lambda x, p, table: fn(x, p[:, 0], table), blend=True)
 
 
 def _plain(fn) -> _Op:
@@ -99,10 +100,12 @@ def _plain(fn) -> _Op:
 
 
 OPS = {
-    "shearX": _Op(True, lambda s, h, w: (s,), np.float32,
-                  lambda x, p, table: pil_ops.shear_bicubic(x, p[:, 0], "x", FILL)),
-    "shearY": _Op(True, lambda s, h, w: (s,), np.float32,
-                  lambda x, p, table: pil_ops.shear_bicubic(x, p[:, 0], "y", FILL)),
+    "shearX": _Op(True, lambda s, h, w: pil_ops.shear_coordinates(s, "x", h, w).reshape(-1), np.float32,
+                  lambda x, p, table: pil_ops.shear_bicubic(x, p.reshape(len(p), 3, x.shape[1], x.shape[2]), "x",
+                                                            FILL)),
+    "shearY": _Op(True, lambda s, h, w: pil_ops.shear_coordinates(s, "y", h, w).reshape(-1), np.float32,
+                  lambda x, p, table: pil_ops.shear_bicubic(x, p.reshape(len(p), 3, x.shape[2], x.shape[1]), "y",
+                                                            FILL)),
     "translateX": _Op(True, lambda s, h, w: (pil_ops.translate_offset(s * w), 0), np.int32,
                       lambda x, p, table: pil_ops.translate(x, p, FILL)),
     "translateY": _Op(True, lambda s, h, w: (0, pil_ops.translate_offset(s * h)), np.int32,
@@ -152,7 +155,7 @@ def _compile(policy: tuple, height: int, width: int) -> _Compiled:
                 strength = float(MAGNITUDES[name][sub[3 * slot + 2]])
                 for d, direction in enumerate((1.0, -1.0) if op.signed else (1.0, 1.0)):
                     rows[s, d] = op.params(strength * direction, height, width)
-            if op.dtype is np.float64:  # blend factors -> rows of one shared table
+            if op.blend:  # blend factors -> rows of one shared table
                 for factor in rows.reshape(-1):
                     if factor not in factors:
                         factors.append(float(factor))
@@ -162,7 +165,7 @@ def _compile(policy: tuple, height: int, width: int) -> _Compiled:
     index = {f: i for i, f in enumerate(factors)}
     for stage in stages:
         for i, name in enumerate(stage.ops):
-            if OPS[name].dtype is np.float64:
+            if OPS[name].blend:
                 stage.params[i][...] = np.vectorize(index.__getitem__)(stage.params[i])
     table = pil_ops.blend_table(factors) if factors else np.zeros((1, 256, 256), np.uint8)
     return _Compiled(tuple(stages), table)
@@ -171,7 +174,8 @@ def _compile(policy: tuple, height: int, width: int) -> _Compiled:
 def _check_policy(policy: Sequence[tuple]) -> tuple:
     policy = tuple(tuple(sub) for sub in policy)
     for sub in policy:
-        if len(sub) != 6 or sub[1] not in OPS or sub[4] not in OPS or not all(0 <= sub[i] <= 9 for i in (2, 5)):
+        if (len(sub) != 6 or sub[1] not in OPS or sub[4] not in OPS
+                or not all(isinstance(sub[i], (int, np.integer)) and 0 <= sub[i] <= 9 for i in (2, 5))):
             raise ValueError(f"sub-policy {sub} is not (p1, op1, 0..9, p2, op2, 0..9) with ops from {sorted(OPS)}")
     return policy
 
@@ -217,11 +221,12 @@ def random_policy(levels: jax.Array, key: jax.Array, policy: Sequence[tuple] = C
 
 
 def cutout(x: jax.Array, key: jax.Array, *, length: int = 16, value: float = 0.0) -> jax.Array:
-    """DeVries & Taylor's Cutout: one ``length x length`` square per image set to ``value``.
+    """DeVries & Taylor's Cutout: one square per image set to ``value``.
 
     The square's centre is uniform over the image; rows and columns
     ``[centre - length // 2, centre + length // 2)`` are clipped to the image, so a
-    square near the border is smaller.
+    square near the border is smaller (and an odd ``length`` gives ``length - 1`` sides,
+    as the authors' Cutout does).
 
     Args:
       x: ``[B, H, W, C]``.

@@ -12,15 +12,19 @@ Pillow's own arithmetic decides the results:
   geometry (``translate``, and ``rotate`` through Pillow's 16.16 fixed-point affine
   loop) are integer arithmetic, so they agree with Pillow bit for bit;
 - blends (``ImageEnhance``'s ``Image.blend``) read a table computed exactly as
-  Pillow's C code computes them (:func:`blend_table`), so they agree too;
-- ``autocontrast``'s lookup and the bicubic ``shear_bicubic`` are computed in
-  float32 where Pillow uses float64 and then truncates, so a pixel can come out
-  one level lower or higher where Pillow's value lands on (or next to) a whole number.
+  Pillow's C code computes them (:func:`blend_table`), and ``autocontrast`` corrects
+  the exact integer lookup where Pillow's float64 one falls a level short
+  (:func:`autocontrast_corrections`), so they agree too;
+- the bicubic ``shear_bicubic`` takes its sample positions from the host in float64
+  (:func:`shear_coordinates`), as Pillow computes them, but interpolates in float32
+  where Pillow uses float64 and then truncates: an output lands one level off where
+  Pillow's value lies within float32's error of a whole number.
 
 Fill colours and every parameter below are in 0..255 pixel levels.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -85,19 +89,46 @@ def equalize(images: jax.Array) -> jax.Array:
 
 
 def autocontrast(images: jax.Array) -> jax.Array:
-    """``ImageOps.autocontrast()`` (no cutoff): stretch each channel's levels to 0..255.
+    """``ImageOps.autocontrast()`` (no cutoff): stretch each channel's levels ``lo..hi`` to 0..255, bit-exact.
 
-    Pillow computes ``int(v * 255 / (hi - lo) - lo * 255 / (hi - lo))`` in float64;
-    float32 here, so a level can differ by one where that value is a whole number.
+    Pillow's lookup is ``int(v * s - lo * s)`` with ``s = 255.0 / (hi - lo)`` in float64: the exact
+    ``(255 (v - lo)) // (hi - lo)``, except at some levels where the division is exact and float64
+    lands just below the whole number. Those (lo, hi, v) are listed once on the host
+    (:func:`autocontrast_corrections`) and subtract one here.
     """
     present = histogram(images) > 0
-    lo = jnp.argmax(present, axis=-1)
-    hi = 255 - jnp.argmax(present[..., ::-1], axis=-1)
-    scale = 255.0 / jnp.maximum(hi - lo, 1).astype(jnp.float32)
-    offset = -lo.astype(jnp.float32) * scale
-    levels = jnp.arange(256, dtype=jnp.float32)
-    lut = jnp.clip(jnp.floor(levels * scale[..., None] + offset[..., None]), 0, 255).astype(jnp.int32)
-    return apply_lut(images, jnp.where((hi <= lo)[..., None], jnp.arange(256), lut))
+    lo = jnp.argmax(present, axis=-1)[..., None]  # [B, C, 1]
+    hi = (255 - jnp.argmax(present[..., ::-1], axis=-1))[..., None]
+    levels = jnp.arange(256)
+    exact = jnp.clip(255 * (levels - lo) // jnp.maximum(hi - lo, 1), 0, 255)
+    bits = jnp.asarray(_autocontrast_correction_bits())
+    query = (lo * 256 + hi) * 256 + levels
+    lut = exact - ((bits[query >> 3] >> (query & 7)) & 1).astype(exact.dtype)
+    return apply_lut(images, jnp.where(hi <= lo, levels, lut))
+
+
+@functools.lru_cache(maxsize=1)
+def autocontrast_corrections() -> np.ndarray:
+    """Sorted keys ``(lo * 256 + hi) * 256 + v`` (int32) where Pillow's float64 autocontrast lookup is one
+    below the exact ``(255 (v - lo)) // (hi - lo)`` (12,094 of the levels ``lo <= v <= hi``)."""
+    keys = []
+    v = np.arange(256)[None, :]
+    for lo in range(255):
+        hi = np.arange(lo + 1, 256)[:, None]
+        scale = 255.0 / (hi - lo)
+        pillow = np.trunc(v * scale + -lo * scale)  # Python's ``int(ix * scale + offset)``, offset = -lo * scale
+        low = (np.floor_divide(255 * (v - lo), hi - lo) - pillow == 1) & (v >= lo) & (v <= hi)
+        rows, cols = np.nonzero(low)
+        keys.append((lo * 256 + hi[rows, 0]) * 256 + cols)
+    return np.sort(np.concatenate(keys)).astype(np.int32)
+
+
+@functools.lru_cache(maxsize=1)
+def _autocontrast_correction_bits() -> np.ndarray:
+    """:func:`autocontrast_corrections` as a bit set over all ``2^24`` keys, packed little-endian: ``[2^21]`` uint8."""
+    bits = np.zeros(2 ** 24, np.uint8)
+    bits[autocontrast_corrections()] = 1
+    return np.packbits(bits, bitorder="little")
 
 
 # --------------------------------------------------------------------------
@@ -111,8 +142,8 @@ def blend_table(factors: Sequence[float]) -> np.ndarray:
     ``table[f, d, v]`` is Pillow's result for degenerate level ``d`` and image level
     ``v``, computed as libImaging/Blend.c does: ``ImagingBlend`` takes the factor as
     a C ``float``, so ``d + factor * (v - d)`` is float32 arithmetic (a separate
-    multiply and add, as numpy does it here; XLA may fuse them), truncated, and
-    clipped to 0..255 for factors outside [0, 1].
+    multiply and add, as numpy does it here), truncated, and clipped to 0..255 for
+    factors outside [0, 1].
     """
     levels = np.arange(256, dtype=np.float32)
     degenerate, image = levels[:, None], levels[None, :]
@@ -262,14 +293,38 @@ def _cubic(v1, v2, v3, v4, d):
     return v2 + d * (p2 + d * (p3 + d * p4))
 
 
-def shear_bicubic(images: jax.Array, shear: jax.Array, axis: str, fill: int = 0) -> jax.Array:
+def shear_coordinates(shear: float, axis: str, height: int, width: int) -> np.ndarray:
+    """Pillow's sample positions for a bicubic shear, computed in float64 as libImaging does.
+
+    Args:
+      shear: the factor ``m``.
+      axis: ``"x"``: ``transform(AFFINE, (1, m, 0, 0, 1, 0))``, output ``(x, y)`` samples input
+        ``(x + 1/2 + m (y + 1/2), y + 1/2)``; ``"y"``: ``(1, 0, 0, m, 1, 0)``, input
+        ``(x + 1/2, y + 1/2 + m (x + 1/2))``.
+      height, width: image size.
+    Returns:
+      ``[3, rows, size]`` float32 along the sheared axis (``rows, size = H, W`` for ``"x"``,
+      ``W, H`` for ``"y"``): the first of the four taps plus one (``floor(s - 1/2)``), the
+      fraction past it, and 1 where the sample point ``s`` lies inside the image (else the fill).
+    """
+    if axis not in ("x", "y"):
+        raise ValueError(f"axis={axis!r}; fix: 'x' or 'y'")
+    rows, size = (height, width) if axis == "x" else (width, height)
+    along = np.arange(size, dtype=np.float64)[None, :] + 0.5
+    across = np.arange(rows, dtype=np.float64)[:, None] + 0.5
+    source = along + float(shear) * across
+    start = np.floor(source - 0.5)
+    inside = (source >= 0) & (source < size)
+    return np.stack([start, source - 0.5 - start, inside]).astype(np.float32)
+
+
+def shear_bicubic(images: jax.Array, coordinates: jax.Array, axis: str, fill: int = 0) -> jax.Array:
     """Pillow's bicubic shear: ``transform(size, AFFINE, matrix, BICUBIC, fillcolor=fill)``.
 
     Args:
       images: ``[B, H, W, C]`` levels.
-      shear: ``[B]`` shear factors ``m``.
-      axis: ``"x"``: matrix ``(1, m, 0, 0, 1, 0)``, output ``(x, y)`` samples input
-        ``(x + m (y + 1/2), y)``; ``"y"``: ``(1, 0, 0, m, 1, 0)``, input ``(x, y + m (x + 1/2))``.
+      coordinates: ``[B, 3, rows, size]`` from :func:`shear_coordinates` (per image).
+      axis: ``"x"`` or ``"y"``, as there.
       fill: level of outputs whose sample point falls outside the image.
     Returns:
       ``[B, H, W, C]`` int32: libImaging's 4x4 cubic interpolation, taps clamped to the
@@ -281,15 +336,10 @@ def shear_bicubic(images: jax.Array, shear: jax.Array, axis: str, fill: int = 0)
         raise ValueError(f"axis={axis!r}; fix: 'x' or 'y'")
     moved = images if axis == "x" else jnp.swapaxes(images, 1, 2)  # shear along the last spatial axis
     size = moved.shape[2]
-    m = shear.astype(jnp.float32)[:, None, None]
-    along = jnp.arange(size, dtype=jnp.float32)[None, None, :] + 0.5
-    across = jnp.arange(moved.shape[1], dtype=jnp.float32)[None, :, None] + 0.5
-    source = along + m * across  # [B, rows, size]
-    inside = ((source >= 0) & (source < size))[..., None]
-    start = jnp.floor(source - 0.5)
-    d = (source - 0.5 - start)[..., None]
-    start = start.astype(jnp.int32)
+    start = coordinates[:, 0].astype(jnp.int32)[..., None]  # [B, rows, size, 1]
+    d = coordinates[:, 1].astype(jnp.float32)[..., None]
+    inside = coordinates[:, 2][..., None] > 0
     values = moved.astype(jnp.float32)
-    taps = [jnp.take_along_axis(values, jnp.clip(start + i, 0, size - 1)[..., None], axis=2) for i in (-1, 0, 1, 2)]
+    taps = [jnp.take_along_axis(values, jnp.clip(start + i, 0, size - 1), axis=2) for i in (-1, 0, 1, 2)]
     out = jnp.where(inside, jnp.clip(jnp.floor(_cubic(*taps, d)), 0, 255).astype(jnp.int32), fill)
     return out if axis == "x" else jnp.swapaxes(out, 1, 2)

@@ -6,7 +6,7 @@
 #    against HEAD; if the large-kernels variant is >5% faster at MLP K=100 and no slower at K=1000 and on
 #    the FedReg CNN, the FedAvg target rows with it.
 # 3. (added in session 19) the cost of FOLA's Table I augmentation in a round on the GPU
-#    (experiments.bench_augment; 2 CPU cores: 1.11x FedAvg's round, 1.19x FOLA's).
+#    (experiments.bench_augment; 2 CPU cores: 1.28x FedAvg's round, 1.34x FOLA's).
 # Preparation, here, from the repository root (.gpu/ is in .git/info/exclude), then run with carry [".gpu"]:
 #   S=results/bench/gpu_h200_session16/scripts; rm -rf .gpu && mkdir -p .gpu/data .gpu/head .gpu/old .gpu/v2 .gpu/v3
 #   cp /usr/share/datasets/fashion-mnist/*.gz .gpu/data/; cp $S/ctime.py $S/next_call.sh .gpu/
