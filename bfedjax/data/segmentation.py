@@ -463,7 +463,8 @@ def _fets_subject_volume(root: str, subject: str, size: tuple[int, int, int] | N
     """One subject -> (FLAIR ``[1, D, H, W, 1]`` float32 in [0, 1], whole-tumour mask ``[1, D, H, W]`` int32).
 
     ``D`` is the axial (last voxel) axis, ``H`` and ``W`` the first two voxel axes, as the 2-D
-    slices lie; ``size`` resizes (trilinear image, nearest-neighbour mask), None keeps the grid.
+    slices lie; ``size`` resizes (``jax.image.resize``: linear for the image, antialiased when shrinking,
+    nearest neighbour for the mask), None keeps the grid.
     """
     import jax
 
@@ -490,8 +491,9 @@ def load_fets_volumes(data_dir: str | None, size: tuple[int, int, int] | None = 
     * axes: ``[D, H, W]`` = (axial, first, second voxel axis), the 2-D slices' layout;
     * masks: whole tumour, ``seg > 0`` (the FedRef authors train 4 classes: background and
       labels 1, 2, 4; this binary reduction is the one the 2-D set makes too);
-    * ``size``: resize every volume to ``(D, H, W)`` (trilinear image, nearest-neighbour
-      mask); None keeps FeTS's 155 x 240 x 240 grid, as the authors do. ``load`` reaches
+    * ``size``: resize every volume to ``(D, H, W)`` (``jax.image.resize``: linear and antialiased
+      when shrinking for the image, nearest neighbour for the mask); None keeps FeTS's
+      155 x 240 x 240 grid, as the authors do. ``load`` reaches
       it as ``"fets_volumes"`` or ``"fets_volumes/DxHxW"``, e.g. ``fets_volumes/48x64x64``.
 
     Returns:
