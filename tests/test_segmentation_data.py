@@ -420,14 +420,14 @@ def test_load_fets_is_seeded_and_standardises(fets_root):
 
 def test_load_fets_volumes_fake_folder(fets_root):
     d = bf.data.load_fets_volumes(str(fets_root), test_fraction=0.34, num_partitions=2, pixels="unit")
-    # one sample per subject: 2 partitions x 3 subjects, one test subject each; axes (axial, rows, columns)
+    # one sample per subject: 2 partitions x 3 subjects, one test subject each; axes (k, j, i), SimpleITK's order
     chex.assert_shape([d.x_train, d.y_train, d.x_test, d.y_test, d.client_ids],
                       [(4, 12, 32, 32, 1), (4, 12, 32, 32), (2, 12, 32, 32, 1), (2, 12, 32, 32), (4,)])
     assert (d.name, d.num_classes) == ("fets_volumes", 2)
     flair, seg = _fets_volumes(20)
-    np.testing.assert_array_equal(d.y_train[0], np.transpose(seg > 0, (2, 0, 1)))  # whole tumour, every slice
+    np.testing.assert_array_equal(d.y_train[0], np.transpose(seg > 0, (2, 1, 0)))  # whole tumour, every slice
     levels = np.rint(d.x_train[:, 6, 16, 3, 0] * 200).astype(int)  # a brain voxel away from the tumour
-    np.testing.assert_allclose(d.x_train[list(levels).index(20), ..., 0], np.transpose(flair / 200, (2, 0, 1)),
+    np.testing.assert_allclose(d.x_train[list(levels).index(20), ..., 0], np.transpose(flair / 200, (2, 1, 0)),
                                rtol=1e-6)
     np.testing.assert_array_equal(d.client_ids, np.where(levels <= 40, 0, 1))
     # the same subjects and split as the 2-D set
@@ -440,6 +440,19 @@ def test_load_fets_volumes_fake_folder(fets_root):
     assert abs(float(small.x_train.mean())) < 1e-5  # standardised
     with pytest.raises(ValueError, match="48, 64, 64"):
         bf.data.load_fets_volumes(str(fets_root), size=(6, 16))
+
+
+def test_fets_volumes_take_simpleitks_axis_order(tmp_path):
+    """[D, H, W] = the stored (i, j, k) reversed, as the FedRef authors' ``sitk.GetArrayFromImage`` gives it."""
+    nib = pytest.importorskip("nibabel")
+    root = _fake_fets(tmp_path, {"A_1": (1, 20), "A_2": (1, 30)}, {})
+    flair = np.random.default_rng(0).uniform(1, 100, (32, 32, 12)).astype(np.float32)  # no symmetry
+    nib.save(nib.Nifti1Image(flair, np.eye(4)), str(root / "A_1" / "A_1_flair.nii.gz"))
+    d = bf.data.load_fets_volumes(str(root), test_fraction=0.5, num_partitions=1, pixels="unit")
+    scaled = np.clip(flair / np.percentile(flair, 99), 0, 1)
+    volumes = np.concatenate([d.x_train, d.x_test])[..., 0]
+    assert any(np.allclose(v, np.transpose(scaled, (2, 1, 0)), atol=1e-6) for v in volumes)
+    assert not any(np.allclose(v, np.transpose(scaled, (2, 0, 1)), atol=1e-6) for v in volumes)
 
 
 def test_fets_volumes_through_load_and_the_binary(tmp_path):

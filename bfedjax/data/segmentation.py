@@ -462,8 +462,8 @@ def _fets_subject_volume(root: str, subject: str, size: tuple[int, int, int] | N
                          nib) -> tuple[np.ndarray, np.ndarray]:
     """One subject -> (FLAIR ``[1, D, H, W, 1]`` float32 in [0, 1], whole-tumour mask ``[1, D, H, W]`` int32).
 
-    ``D`` is the axial (last voxel) axis, ``H`` and ``W`` the first two voxel axes, as the 2-D
-    slices lie; ``size`` resizes (``jax.image.resize``: linear for the image, antialiased when shrinking,
+    Axes in the FedRef authors' order, SimpleITK's ``[z, y, x]``: the voxel axes (i, j, k) as
+    stored reversed (so ``H, W`` are the 2-D slices' columns and rows); ``size`` resizes (``jax.image.resize``: linear for the image, antialiased when shrinking,
     nearest neighbour for the mask), None keeps the grid.
     """
     import jax
@@ -473,8 +473,8 @@ def _fets_subject_volume(root: str, subject: str, size: tuple[int, int, int] | N
     if flair.shape != seg.shape:
         raise DataUnavailableError(f"fets: {subject}'s FLAIR {flair.shape} and seg {seg.shape} differ in shape; "
                                    f"{_FETS_FIX}")
-    image = np.transpose(_fets_scaled_flair(flair), (2, 0, 1))
-    mask = np.transpose(np.asarray(seg) > 0, (2, 0, 1)).astype(np.float32)
+    image = np.transpose(_fets_scaled_flair(flair), (2, 1, 0))
+    mask = np.transpose(np.asarray(seg) > 0, (2, 1, 0)).astype(np.float32)
     if size is not None and tuple(size) != image.shape:
         image = np.asarray(jax.image.resize(image, tuple(size), "linear"), np.float32)
         mask = np.asarray(jax.image.resize(mask, tuple(size), "nearest"))
@@ -488,7 +488,10 @@ def load_fets_volumes(data_dir: str | None, size: tuple[int, int, int] | None = 
     The folder layout, subjects, partitions, test split and intensity scaling are
     :func:`load_fets`'s; each subject is one sample, its whole volume:
 
-    * axes: ``[D, H, W]`` = (axial, first, second voxel axis), the 2-D slices' layout;
+    * axes: ``[D, H, W]`` = the stored voxel axes reversed, ``[k, j, i]``, as the authors' SimpleITK
+      arrays (``GetArrayFromImage``: ``[z, y, x]``); the 2-D slices are ``[i, j]``;
+    * intensities: :func:`load_fets`'s scaling, then (``pixels="standardised"``) the training
+      volumes' mean and std; the authors feed the raw FLAIR values;
     * masks: whole tumour, ``seg > 0`` (the FedRef authors train 4 classes: background and
       labels 1, 2, 4; this binary reduction is the one the 2-D set makes too);
     * ``size``: resize every volume to ``(D, H, W)`` (``jax.image.resize``: linear and antialiased

@@ -171,9 +171,9 @@ def _percentile95_of_members(values, members):
     """
     srt = jnp.sort(jnp.where(members, values, jnp.inf))
     n = jnp.sum(members).astype(jnp.int32)
-    scaled = 95 * jnp.maximum(n - 1, 0)
-    lo = scaled // 100
-    frac = (scaled % 100).astype(values.dtype) / 100.0
+    m = jnp.maximum(n - 1, 0)  # 95 m / 100 split so that 95 m cannot overflow int32 on large volumes
+    lo = 95 * (m // 100) + (95 * (m % 100)) // 100
+    frac = ((95 * (m % 100)) % 100).astype(values.dtype) / 100.0
     hi = jnp.minimum(lo + 1, jnp.maximum(n - 1, 0))
     a, b = srt[lo], srt[hi]
     return jnp.where(frac > 0, a + (b - a) * frac, a)
