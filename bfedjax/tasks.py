@@ -104,44 +104,60 @@ def _segmentation_batch(x, eval_batch_size: int) -> int:
     return max(1, min(eval_batch_size, SEGMENTATION_EVAL_VOXELS // max(voxels, 1)))
 
 
-def segmentation(model, *, dice_weight: float = 1.0, eval_batch_size: int = SEGMENTATION_EVAL_BATCH_SIZE) -> Task:
-    """Binary segmentation: a model producing one logit per pixel ``[B, H, W]`` from masks ``y [B, H, W]`` in {0, 1}
-    (or per voxel, ``[B, D, H, W]``, for volumes: ``models.UNet3D``).
+def segmentation(model, *, loss: str = "ce_dice", eval_batch_size: int = SEGMENTATION_EVAL_BATCH_SIZE) -> Task:
+    """Segmentation of images ``[H, W]`` (or volumes ``[D, H, W]``, ``models.UNet3D``) into classes.
 
-    loss: pixel-wise binary cross-entropy plus ``dice_weight`` times the soft Dice loss,
-      each the mean over the batch's real images (``metrics.segmentation.bce_dice_loss``).
+    The model gives one foreground logit per pixel, ``[B, H, W]``, for binary masks ``y [B, H, W]``
+    in {0, 1}, or one logit per class, ``[B, H, W, C]``, for label maps in ``{0, ..., C-1}``
+    (``models.get_model("unet", num_classes)`` builds either from the data set's ``num_classes``).
+
+    loss: ``metrics.segmentation.LOSSES[loss]`` over the batch's real images: ``"ce_dice"``
+      (cross-entropy + soft Dice of the foreground classes, per image), or the FedRef authors'
+      ``"focal"`` (DRIVE) and ``"dice_focal"`` (FeTS), segmentation_models_pytorch's losses as
+      they configure them.
     evaluate: over the test set, the mean per-image ``dice``, ``iou``, ``hd95`` (95th-percentile
-      symmetric Hausdorff distance in pixels), ``pixel_accuracy`` and ``loss`` of the hard mask
-      ``logit > 0``, plus the FedRef authors' ``authors_dice``, ``authors_iou`` (soft, batch-pooled,
-      after a sigmoid and a softmax) and ``authors_hd95`` (their row-wise distance, not a
-      Hausdorff distance), computed the way their code does (``metrics.segmentation``).
+      symmetric Hausdorff distance in pixels; each the mean over the foreground classes, with
+      ``dice_class{c}`` per class when there are more than two), ``pixel_accuracy`` and ``loss`` of
+      the hard prediction (``logit > 0``, or the argmax), plus the FedRef authors' ``authors_dice``,
+      ``authors_iou`` (soft, batch-pooled, after a sigmoid and a softmax) and ``authors_hd95``
+      (their row-wise distance, not a Hausdorff distance), computed the way their code does
+      (``metrics.segmentation``).
 
-    predict: the foreground probability ``sigmoid(logit)``, ``[1, T, H, W]``.
+    predict: the foreground probability ``sigmoid(logit)``, ``[1, T, H, W]``, or the class
+    probabilities ``softmax(logits)``, ``[1, T, H, W, C]``.
     """
     from bfedjax.metrics import segmentation as seg
     apply_fn = apply_fn_of(model)
+    loss_fn = seg.loss_fn(loss)
 
-    def loss(params, batch):
-        return seg.bce_dice_loss(apply_fn(params, batch.x), batch.y, batch.mask, dice_weight)
+    def train_loss(params, batch):
+        return loss_fn(apply_fn(params, batch.x), batch.y, batch.mask)
 
     def evaluate(params, x, y, mask=None):
         size = _segmentation_batch(x, eval_batch_size)
         xb, yb, mb = padded_batches(x, y, size)
         if mask is not None:
             mb = mb * padded_batches(jnp.zeros(y.shape[:1]), jnp.asarray(mask, jnp.float32), size)[1]
-        sums = map_real_batches(lambda b: seg.evaluate_batch(apply_fn(params, b[0]), b[1], b[2]), (xb, yb, mb), mb)
+        sums = map_real_batches(lambda b: seg.evaluate_batch(apply_fn(params, b[0]), b[1], b[2], loss=loss),
+                                (xb, yb, mb), mb)
         scores = seg.summarize(jax.tree.map(lambda v: jnp.sum(v, axis=0), sums))
         return {name: value for name, value in scores.items() if name != "count"}
 
     def predict(params, x, key, num_samples: int):
         del key, num_samples
-        return in_batches(lambda xb: jax.nn.sigmoid(apply_fn(params, xb))[None], x, _segmentation_batch(x, eval_batch_size))
+
+        def probabilities(xb):
+            logits = apply_fn(params, xb)
+            one_logit = logits.ndim == xb.ndim - 1  # [B, *S] against inputs [B, *S, channels]
+            return (jax.nn.sigmoid(logits) if one_logit else jax.nn.softmax(logits, axis=-1))[None]
+
+        return in_batches(probabilities, x, _segmentation_batch(x, eval_batch_size))
 
     def init_params(key, input_shape):
         from bfedjax.models.zoo import init_params as zoo_init
         return zoo_init(model, tuple(input_shape), key)
 
-    return Task(model, apply_fn, loss, evaluate, predict, init_params)
+    return Task(model, apply_fn, train_loss, evaluate, predict, init_params)
 
 
 TASKS = {"classification": classification, "segmentation": segmentation}

@@ -42,9 +42,12 @@ FLAGS = flags.FLAGS
 # What to run: --algorithm, --lr, --local_epochs, --batch_size and the algorithms' options.
 algorithm_flags.define(FLAGS)
 flags.DEFINE_enum("task", "classification", list(bf.tasks.TASKS), "What the model learns: classification, or "
-                  "binary segmentation (--model=unet on --dataset=vessels, drive, oxford_iiit_pet or fets; "
-                  "--model=unet3d on --dataset=fets_volumes; BCE + soft-Dice loss; Dice, IoU and HD95 reported; "
+                  "segmentation (--model=unet on --dataset=vessels, drive, oxford_iiit_pet or fets; "
+                  "--model=unet3d on --dataset=fets_volumes; loss --segmentation_loss; Dice, IoU and HD95 reported; "
                   "fedavg, fedprox and fedref).")
+flags.DEFINE_enum("segmentation_loss", "ce_dice", list(bf.metrics.segmentation.LOSSES), "--task=segmentation's loss: "
+                  "ce_dice (cross-entropy + soft Dice per image), or the FedRef authors' focal (DRIVE) and dice_focal "
+                  "(FeTS): segmentation_models_pytorch's multiclass losses as they configure them.")
 flags.DEFINE_enum("model", "mlp", list(bf.models.MODELS), "Model architecture.")
 flags.DEFINE_list("hidden", ["200", "200"], "Hidden widths of --model=mlp.")
 flags.DEFINE_enum("compute_dtype", "float32", list(bf.models.COMPUTE_DTYPES), "Dtype of the models' activations "
@@ -57,6 +60,9 @@ flags.DEFINE_string("data_dir", None, "Folder with the data set's files (mnist, 
                     "fets_volumes); "
                     "it must exist and hold them. Unset: $BFEDJAX_DATA_DIR, Debian's folder, TFDS.")
 flags.DEFINE_string("tfds_data_dir", None, "TFDS data_dir with prepared data sets.")
+flags.DEFINE_enum("fets_labels", "whole_tumour", list(bf.data.segmentation.FETS_LABELS), "--dataset=fets or "
+                  "fets_volumes: whole_tumour masks (seg > 0), or the FedRef authors' 4 classes (FeTS's labels 0, 1, 2, "
+                  "4 as 0..3; the model gets one logit per class).")
 flags.DEFINE_list("volume_size", None, "--dataset=fets_volumes: resize every volume to D,H,W voxels (e.g. 48,64,64); "
                   "unset keeps FeTS's grid (155,240,240).")
 flags.DEFINE_integer("max_train", None, "Subsample the training set to this many samples.")
@@ -240,7 +246,7 @@ def make_task(dataset, model):
         takes = [name for name in bf.algorithms.ALGORITHMS if "task" in bf.algorithms.options_of(name)]
         raise app.UsageError(f"--algorithm={FLAGS.algorithm} trains classifiers only; fix: --algorithm="
                              f"{' or '.join(takes)} for --task=segmentation")
-    return bf.tasks.segmentation(model)
+    return bf.tasks.segmentation(model, loss=FLAGS.segmentation_loss)
 
 
 def parse_class_groups(text: str) -> list[list[int]]:
@@ -280,16 +286,22 @@ def _load(name: str, **kwargs):
 
 
 def dataset_name() -> str:
-    """--dataset, with --volume_size as the ``fets_volumes/DxHxW`` config ``bf.data.load`` takes."""
-    if not FLAGS.volume_size:
-        return FLAGS.dataset
-    if FLAGS.dataset != "fets_volumes":
-        raise app.UsageError(f"--volume_size resizes --dataset=fets_volumes only, not {FLAGS.dataset}; fix: drop "
-                             "--volume_size")
-    if len(FLAGS.volume_size) != 3 or not all(v.isdigit() and int(v) > 0 for v in FLAGS.volume_size):
-        raise app.UsageError(f"--volume_size={','.join(FLAGS.volume_size)}: need three sizes D,H,W >= 1; fix: e.g. "
-                             "--volume_size=48,64,64")
-    return f"fets_volumes/{'x'.join(FLAGS.volume_size)}"
+    """--dataset, with --volume_size and --fets_labels as the FeTS configs ``bf.data.load`` takes
+    (``fets/classes``, ``fets_volumes/DxHxW/classes``)."""
+    name = FLAGS.dataset
+    if FLAGS.volume_size:
+        if FLAGS.dataset != "fets_volumes":
+            raise app.UsageError(f"--volume_size resizes --dataset=fets_volumes only, not {FLAGS.dataset}; fix: drop "
+                                 "--volume_size")
+        if len(FLAGS.volume_size) != 3 or not all(v.isdigit() and int(v) > 0 for v in FLAGS.volume_size):
+            raise app.UsageError(f"--volume_size={','.join(FLAGS.volume_size)}: need three sizes D,H,W >= 1; fix: "
+                                 "e.g. --volume_size=48,64,64")
+        name += "/" + "x".join(str(int(v)) for v in FLAGS.volume_size)
+    if FLAGS.fets_labels != "whole_tumour":
+        if FLAGS.dataset not in ("fets", "fets_volumes"):
+            raise app.UsageError(f"--fets_labels chooses FeTS's masks, not {FLAGS.dataset}'s; fix: drop --fets_labels")
+        name += "/" + FLAGS.fets_labels
+    return name
 
 
 def load_dataset():

@@ -442,6 +442,40 @@ def test_load_fets_volumes_fake_folder(fets_root):
         bf.data.load_fets_volumes(str(fets_root), size=(6, 16))
 
 
+def test_fets_classes_in_2d_and_volumes(fets_root, tmp_path):
+    """``labels="classes"``: FeTS's values 0, 1, 2, 4 as 0..3 (the FedRef authors' 4 classes), on the same slices."""
+    from PIL import Image
+
+    kw = dict(test_fraction=0.34, num_partitions=2, pixels="unit")
+    flat = bf.data.load_fets(str(fets_root), size=16, slices_per_subject=2, labels="classes", **kw)
+    assert flat.num_classes == 4 and set(np.unique(flat.y_train)) == {0, 1, 2, 3}
+    _, seg = _fets_volumes(20)
+    classes = np.searchsorted([0, 1, 2, 4], seg)  # 0, 1, 2, 4 -> 0, 1, 2, 3
+    expected = [np.asarray(Image.fromarray(classes[:, :, z].astype(np.uint8)).resize((16, 16), Image.NEAREST))
+                for z in (5, 6)]  # the whole tumour's largest slices, as without classes
+    for pair in flat.y_train.reshape(-1, 2, 16, 16):
+        np.testing.assert_array_equal(pair, expected)
+    binary = bf.data.load_fets(str(fets_root), size=16, slices_per_subject=2, **kw)
+    np.testing.assert_array_equal(flat.y_train > 0, binary.y_train)
+    volumes = bf.data.load_fets_volumes(str(fets_root), labels="classes", **kw)
+    assert (volumes.num_classes, volumes.y_train.shape[1:]) == (4, (12, 32, 32))
+    np.testing.assert_array_equal(volumes.y_train[0], np.transpose(classes, (2, 1, 0)))  # every subject's seg is seg
+    small = bf.data.load_fets_volumes(str(fets_root), size=(6, 16, 8), labels="classes", **kw)
+    assert small.y_train.shape[1:] == (6, 16, 8) and set(np.unique(small.y_train)) == {0, 1, 2, 3}
+    # a label value FeTS does not use is an error naming the fix; whole-tumour masks still read it
+    nib = pytest.importorskip("nibabel")
+    root = _fake_fets(tmp_path, {"A_1": (1, 20), "A_2": (1, 30)}, {})
+    odd = seg.copy()
+    odd[16, 16, 5] = 3
+    nib.save(nib.Nifti1Image(odd, np.eye(4)), str(root / "A_1" / "A_1_seg.nii.gz"))
+    with pytest.raises(DataUnavailableError, match=r"label values \[3\].*fix: labels='whole_tumour'") as err:
+        bf.data.load_fets_volumes(str(root), test_fraction=0.5, num_partitions=1, labels="classes")
+    assert "\n" not in str(err.value)
+    assert bf.data.load_fets_volumes(str(root), test_fraction=0.5, num_partitions=1).num_classes == 2
+    with pytest.raises(ValueError, match="fix: fets\\[/classes\\]"):
+        load("fets/tumour", data_dir=str(root))
+
+
 def test_fets_volumes_take_simpleitks_axis_order(tmp_path):
     """[D, H, W] = the stored (i, j, k) reversed, as the FedRef authors' ``sitk.GetArrayFromImage`` gives it."""
     nib = pytest.importorskip("nibabel")
@@ -463,7 +497,8 @@ def test_fets_volumes_through_load_and_the_binary(tmp_path):
     np.testing.assert_array_equal(np.sort(d.client_ids), np.repeat(np.arange(10), 2))
     with pytest.raises(ValueError, match="fets_volumes/48x64x64"):
         load("fets_volumes/8x16", data_dir=str(root))
-    # the 3-D preset, shortened: 2 rounds of 1 epoch, FedRef's reference of p = 1, 8x16x16 volumes
+    # the 3-D preset (the authors' 4 classes, Dice + focal loss), shortened: 2 rounds of 1 epoch, FedRef's
+    # reference of p = 1, 8x16x16 volumes
     out = subprocess.run([sys.executable, "-m", "experiments.run", "--flagfile=experiments/configs/fedref/fets_volumes.flags",
                           f"--data_dir={root}", "--volume_size=8,16,16", "--fedref_p=1", "--rounds=2",
                           "--local_epochs=1", f"--output_dir={tmp_path / 'out'}"], cwd=ROOT, capture_output=True,
@@ -474,8 +509,10 @@ def test_fets_volumes_through_load_and_the_binary(tmp_path):
     assert [r["round"] for r in rounds] == [1, 2]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert (summary["flags"]["model"], summary["flags"]["algorithm"]) == ("unet3d", "fedref")
+    assert (summary["flags"]["fets_labels"], summary["flags"]["segmentation_loss"]) == ("classes", "dice_focal")
     final = summary["final"]
     assert 0 <= final["iou"] <= final["dice"] <= 1 and final["hd95"] >= 0
+    np.testing.assert_allclose(np.mean([final[f"dice_class{c}"] for c in (1, 2, 3)]), final["dice"], rtol=1e-5)
     wrong = subprocess.run([sys.executable, "-m", "experiments.run", "--dataset=fets_volumes", f"--data_dir={root}",
                             "--volume_size=8,16,16", "--task=segmentation", "--model=unet", "--partition=institutions",
                             "--num_clients=10", "--rounds=1"], cwd=ROOT, capture_output=True, text=True, timeout=600)

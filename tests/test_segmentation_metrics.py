@@ -202,13 +202,13 @@ def _bce_dice_numpy(logits, masks):
     return bce.mean((1, 2)) + soft  # per image
 
 
-def test_bce_dice_loss_value_and_descent():
+def test_ce_dice_loss_value_and_descent():
     rng = np.random.default_rng(7)
     logits = jnp.asarray(rng.normal(size=(B, 16, 16)), jnp.float32)
     masks = _blobs(B, 16, 16, seed=8).astype(np.int32)
-    np.testing.assert_allclose(S.bce_dice_loss(logits, masks, ONES), _bce_dice_numpy(logits, masks).mean(),
+    np.testing.assert_allclose(S.ce_dice_loss(logits, masks, ONES), _bce_dice_numpy(logits, masks).mean(),
                                rtol=1e-5)
-    loss_fn = jax.jit(lambda l: S.bce_dice_loss(l, masks, ONES))
+    loss_fn = jax.jit(lambda l: S.ce_dice_loss(l, masks, ONES))
     g = jax.grad(loss_fn)(logits)
     assert np.all(np.isfinite(g)) and float(jnp.abs(g).max()) > 0
     assert float(loss_fn(logits - 1.0 * g)) < float(loss_fn(logits))
@@ -228,7 +228,7 @@ def test_zero_weight_removes_padding_image():
     x, t = logits[:3], masks[:3]
     p = 1 / (1 + np.exp(-x.astype(np.float64)))
     soft = np.mean(1 - (2 * (p * t).sum((1, 2)) + 1) / (p.sum((1, 2)) + t.sum((1, 2)) + 1))
-    cases = [(S.soft_dice_loss, soft), (S.bce_dice_loss, _bce_dice_numpy(x, t).mean()),
+    cases = [(S.soft_dice_loss, soft), (S.ce_dice_loss, _bce_dice_numpy(x, t).mean()),
              (S.authors_soft_dice, _authors_dice_iou_numpy(x, t)[0]),
              (S.authors_soft_iou, _authors_dice_iou_numpy(x, t)[1])]
     for fn, expected in cases:
@@ -262,3 +262,118 @@ def test_evaluate_batch_streams_to_whole_set_means():
     for k, v in expected.items():
         np.testing.assert_allclose(out[k], v, rtol=1e-5, atol=1e-5, err_msg=k)
     assert 0.0 < float(out["dice"]) < 1.0
+
+
+# ---------------------------------------------------------------------------- classes (C logits per pixel)
+
+C = 4  # FeTS's classes, the multi-class tests' one shape [B, 16, 16, C]
+
+
+def _label_maps(seed):
+    """``[B, 16, 16]`` label maps in 0..C-1 whose foreground classes all occur in every image."""
+    a, b, c = (_blobs(B, 16, 16, seed=seed + i) for i in range(3))
+    labels = np.where(a, 1, 0)
+    labels = np.where(b & ~a, 2, labels)
+    labels = np.where(c & ~a & ~b, 3, labels)
+    assert all(set(np.unique(m)) == set(range(C)) for m in labels)
+    return labels.astype(np.int32)
+
+
+def _logits_of(labels, scale=4.0, noise=0.0, seed=0):
+    """Class logits ``[B, 16, 16, C]`` whose argmax is ``labels`` (for ``noise`` small)."""
+    onehot = np.eye(C, dtype=np.float32)[labels]
+    return (scale * onehot + noise * np.random.default_rng(seed).normal(size=onehot.shape)).astype(np.float32)
+
+
+def test_one_binary_logit_equals_its_two_class_logits():
+    rng = np.random.default_rng(11)
+    z = rng.normal(scale=2.0, size=(B, 16, 16)).astype(np.float32)
+    masks = _blobs(B, 16, 16, seed=12).astype(np.int32)
+    two = np.stack([np.zeros_like(z), z], axis=-1)
+    np.testing.assert_array_equal(S.hard_labels(z, masks), S.hard_labels(two, masks))
+    for loss in S.LOSSES:
+        one, pair = S.evaluate_batch(z, masks, ONES, loss=loss), S.evaluate_batch(two, masks, ONES, loss=loss)
+        assert set(one) == set(pair) and "dice_class1" not in one  # per-class Dice only above two classes
+        for name in one:
+            np.testing.assert_allclose(one[name], pair[name], rtol=2e-5, atol=1e-6, err_msg=f"{loss} {name}")
+    with pytest.raises(ValueError, match=r"\[B, \*S, C\]"):
+        S.class_logits(z[..., None, None], masks)
+
+
+def test_classes_metrics_average_the_foreground_classes():
+    target = _label_maps(20)
+    pred = np.roll(target, 2, axis=2)  # every class shifted two columns: all still present
+    pred[:, :, :2] = target[:, :, :2]
+    sums = S.evaluate_batch(_logits_of(pred, noise=0.5, seed=1), target, ONES)
+    dice_c = np.array([[2 * ((p == c) & (t == c)).sum() / ((p == c).sum() + (t == c).sum()) for c in range(1, C)]
+                       for p, t in zip(pred, target)])  # [B, C-1]
+    iou_c = np.array([[((p == c) & (t == c)).sum() / ((p == c) | (t == c)).sum() for c in range(1, C)]
+                      for p, t in zip(pred, target)])
+    hd_c = np.array([[_hd95_reference(p == c, t == c) for c in range(1, C)] for p, t in zip(pred, target)])
+    np.testing.assert_allclose(sums["dice"], dice_c.mean(axis=1).sum(), rtol=1e-5)
+    np.testing.assert_allclose(sums["iou"], iou_c.mean(axis=1).sum(), rtol=1e-5)
+    np.testing.assert_allclose(sums["hd95"], hd_c.mean(axis=1).sum(), rtol=1e-5)
+    np.testing.assert_allclose(sums["pixel_accuracy"], (pred == target).mean(axis=(1, 2)).sum(), rtol=1e-6)
+    for c in range(1, C):
+        np.testing.assert_allclose(sums[f"dice_class{c}"], dice_c[:, c - 1].sum(), rtol=1e-5)
+    assert "dice_class4" not in sums and sums["authors_inter"].shape == (C,)
+    assert float(sums["dice"]) < B and float(sums["hd95"]) > 0  # the shift costs something
+    perfect = S.summarize(S.evaluate_batch(_logits_of(target), target, ONES))
+    assert float(perfect["dice"]) == 1.0 and float(perfect["hd95"]) == 0.0 and float(perfect["dice_class3"]) == 1.0
+
+
+def _ce_dice_numpy(logits, labels):
+    """Per image: mean softmax cross-entropy + mean over classes 1..C-1 of 1 - (2 sum p t + 1) / (sum p + sum t + 1)."""
+    x = np.asarray(logits, np.float64)
+    log_p = x - x.max(-1, keepdims=True)
+    log_p -= np.log(np.exp(log_p).sum(-1, keepdims=True))
+    t = np.eye(x.shape[-1])[labels]
+    ce = -(log_p * t).sum(-1).mean(axis=(1, 2))
+    p = np.exp(log_p)
+    soft = 1 - (2 * (p * t).sum((1, 2)) + 1) / (p.sum((1, 2)) + t.sum((1, 2)) + 1)  # [B, C]
+    return ce + soft[:, 1:].mean(axis=1)
+
+
+def _smp_dice_focal_numpy(logits, labels, alpha=0.1, gamma=4.5):
+    """segmentation_models_pytorch 0.5.0's multiclass DiceLoss(from_logits, smooth 1e-5, eps 1e-7) and
+    FocalLoss(alpha, gamma, normalized=True), written from their documented rules in float64
+    (results/fedref_losses_check compares bfedjax with smp's own code)."""
+    x = np.asarray(logits, np.float64)
+    e = np.exp(x - x.max(-1, keepdims=True))
+    p = e / e.sum(-1, keepdims=True)
+    dice_losses, focal = [], 0.0
+    for c in range(x.shape[-1]):
+        t = (labels == c).astype(np.float64)
+        d = (2 * (p[..., c] * t).sum() + 1e-5) / max((p[..., c] + t).sum() + 1e-5, 1e-7)
+        dice_losses.append((1 - d) * float(t.sum() > 0))
+        z = x[..., c]
+        bce = np.maximum(z, 0) - z * t + np.log1p(np.exp(-np.abs(z)))
+        term = (1 - np.exp(-bce)) ** gamma
+        focal += np.mean(term * bce * (alpha * t + (1 - alpha) * (1 - t)) / max(term.sum(), 1e-6))
+    return np.mean(dice_losses), focal
+
+
+def test_classes_losses_match_numpy_references_and_descend():
+    target = _label_maps(30)
+    logits = np.random.default_rng(31).normal(scale=2.0, size=(B, 16, 16, C)).astype(np.float32)
+    np.testing.assert_allclose(S.ce_dice_loss(logits, target, ONES), _ce_dice_numpy(logits, target).mean(), rtol=1e-5)
+    dice_ref, focal_ref = _smp_dice_focal_numpy(logits, target)
+    np.testing.assert_allclose(S.authors_dice_loss(logits, target, ONES), dice_ref, rtol=1e-5)
+    np.testing.assert_allclose(S.authors_focal_loss(logits, target, ONES), focal_ref, rtol=1e-5)
+    np.testing.assert_allclose(S.dice_focal_loss(logits, target), dice_ref + focal_ref, rtol=1e-5)
+    # a zero-weight (padding) image drops out of every sum and count, the focal loss's element count included
+    w = np.array([1.0, 1.0, 1.0, 0.0], np.float32)
+    dice3, focal3 = _smp_dice_focal_numpy(logits[:3], target[:3])
+    np.testing.assert_allclose(S.dice_focal_loss(logits, target, w), dice3 + focal3, rtol=1e-5)
+    np.testing.assert_allclose(S.ce_dice_loss(logits, target, w), _ce_dice_numpy(logits[:3], target[:3]).mean(),
+                               rtol=1e-5)
+    # an absent class counts as zero Dice loss but stays in smp's mean over all C classes
+    no_three = np.where(target == 3, 0, target)
+    np.testing.assert_allclose(S.authors_dice_loss(logits, no_three, ONES), _smp_dice_focal_numpy(logits, no_three)[0],
+                               rtol=1e-5)
+    for name in ("ce_dice", "dice_focal"):
+        fn = jax.jit(lambda l, name=name: S.LOSSES[name](l, target, ONES))
+        g = jax.grad(fn)(logits)
+        assert float(fn(logits - 0.5 * g / float(jnp.abs(g).max()))) < float(fn(logits)), name
+    with pytest.raises(ValueError, match="fix: one of ce_dice, focal, dice_focal"):
+        S.loss_fn("bce")

@@ -138,3 +138,30 @@ def test_segmentation_task_evaluates_volumes_in_voxel_bounded_batches(monkeypatc
     for name in ("dice", "iou", "hd95", "loss"):
         np.testing.assert_allclose(pieces[name], whole[name], rtol=1e-5, atol=1e-6)
     assert float(whole["hd95"]) > 0
+
+
+def test_segmentation_task_with_classes_trains_on_the_authors_loss():
+    from bfedjax.core.types import Batch
+    from bfedjax.metrics import segmentation as S
+    model = bf.models.UNet3D(features=4, levels=2, out_channels=4)  # 4 classes: one logit per class
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(3, 8, 8, 6, 1)), jnp.float32)
+    y = jnp.asarray(rng.integers(0, 4, size=(3, 8, 8, 6)), jnp.int32)
+    task = bf.tasks.segmentation(model, loss="dice_focal")
+    params = task.init_params(jax.random.PRNGKey(0), x.shape[1:])
+    logits = task.apply_fn(params, x)
+    assert logits.shape == (3, 8, 8, 6, 4)
+    mask = jnp.asarray([1.0, 1.0, 0.0])
+    loss = task.loss(params, Batch(x=x, y=y, mask=mask))
+    np.testing.assert_allclose(loss, S.dice_focal_loss(logits[:2], y[:2]), rtol=1e-5)
+    step = jax.tree.map(lambda p, g: p - 0.05 * g, params, jax.grad(task.loss)(params, Batch(x=x, y=y, mask=mask)))
+    assert float(task.loss(step, Batch(x=x, y=y, mask=mask))) < float(loss)
+    scores = task.evaluate(params, x, y)
+    assert {"dice_class1", "dice_class2", "dice_class3"} <= set(scores) and "dice_class4" not in scores
+    np.testing.assert_allclose(np.mean([scores[f"dice_class{c}"] for c in (1, 2, 3)]), scores["dice"], rtol=1e-5)
+    probs = task.predict(params, x, jax.random.PRNGKey(1), 1)
+    assert probs.shape == (1, 3, 8, 8, 6, 4)
+    np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
+    np.testing.assert_array_equal(jnp.argmax(probs[0], -1), jnp.argmax(logits, -1))
+    with pytest.raises(ValueError, match="fix: one of ce_dice"):
+        bf.tasks.segmentation(model, loss="dice")

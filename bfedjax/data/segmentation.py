@@ -34,12 +34,13 @@ from __future__ import annotations
 import csv
 import glob
 import os
+import re
 
 import numpy as np
 
 from bfedjax.data.sources import PIXELS, Dataset, DataUnavailableError, _get_many, _short, _tfds_remedy, tfds_quiet
 
-__all__ = ["vessels", "load_drive", "load_fets", "load_fets_volumes", "institution_parts", "load_tfds_segmentation", "load_segmentation",
+__all__ = ["vessels", "load_drive", "load_fets", "load_fets_volumes", "fets_config", "FETS_LABELS", "institution_parts", "load_tfds_segmentation", "load_segmentation",
            "trimap_to_mask"]
 
 _DRIVE_FIX = ("fix: pass --data_dir=DIR holding DRIVE's training/ and test/ folders "
@@ -51,7 +52,8 @@ _DRIVE_FIX = ("fix: pass --data_dir=DIR holding DRIVE's training/ and test/ fold
 # --------------------------------------------------------------------------
 
 
-def _pack(name: str, x_train, y_train, x_test, y_test, source: str, pixels: str, client_ids=None) -> Dataset:
+def _pack(name: str, x_train, y_train, x_test, y_test, source: str, pixels: str, client_ids=None,
+          num_classes: int = 2) -> Dataset:
     """Images ``[n, H, W]`` or ``[n, H, W, C]`` (or volumes ``[n, D, H, W, 1]``) in [0, 1] and masks ``[n, H, W]``
     (``[n, D, H, W]``) -> a segmentation :class:`Dataset`.
 
@@ -59,7 +61,7 @@ def _pack(name: str, x_train, y_train, x_test, y_test, source: str, pixels: str,
     set's statistics to both splits: one scalar mean and std for ``[n, H, W]``
     images and for volumes, one per channel for ``[n, H, W, C]``; ``"unit"`` keeps [0, 1].
     ``[n, H, W]`` images get a trailing channel axis. ``client_ids`` (optional,
-    ``[n_train]``) becomes ``Dataset.client_ids`` as int32.
+    ``[n_train]``) becomes ``Dataset.client_ids`` as int32; masks hold labels ``0..num_classes-1``.
     """
     if pixels not in PIXELS:
         raise ValueError(f"pixels={pixels!r}; choose one of {PIXELS}")
@@ -74,7 +76,7 @@ def _pack(name: str, x_train, y_train, x_test, y_test, source: str, pixels: str,
     return Dataset(name=name, x_train=np.ascontiguousarray(x_train, np.float32),
                    y_train=np.ascontiguousarray(y_train, np.int32),
                    x_test=np.ascontiguousarray(x_test, np.float32),
-                   y_test=np.ascontiguousarray(y_test, np.int32), num_classes=2, source=source,
+                   y_test=np.ascontiguousarray(y_test, np.int32), num_classes=int(num_classes), source=source,
                    client_ids=None if client_ids is None else np.ascontiguousarray(client_ids, np.int32))
 
 
@@ -284,6 +286,55 @@ _FETS_FIX = ("fix: pass --data_dir=DIR holding FeTS's training folder (its subje
 _FETS_CSV = "partitioning_1.csv"
 
 
+FETS_LABELS = ("whole_tumour", "classes")  # masks: seg > 0, or the authors' 4 classes
+# FeTS / BraTS label values: 0 background, 1 necrotic and non-enhancing tumour core, 2 peritumoral oedema,
+# 4 enhancing tumour; "classes" maps them to 0, 1, 2, 3 as the FedRef authors do.
+FETS_CLASS_VALUES = (0, 1, 2, 4)
+
+
+def fets_config(name: str) -> tuple[tuple[int, int, int] | None, str]:
+    """``"fets[/LABELS]"`` or ``"fets_volumes[/DxHxW][/LABELS]"`` -> ``(size or None, labels)``.
+
+    ``LABELS`` is one of :data:`FETS_LABELS` (default ``whole_tumour``); the size, volumes only,
+    resizes every volume. A one-line ``ValueError`` naming the fix for anything else.
+    """
+    base, *tokens = name.strip().lower().split("/")
+    size, labels = None, "whole_tumour"
+    form = "fets_volumes[/DxHxW][/classes]" if base == "fets_volumes" else "fets[/classes]"
+    for token in tokens:
+        if token in FETS_LABELS:
+            labels = token
+        elif base == "fets_volumes" and re.fullmatch(r"[1-9]\d*x[1-9]\d*x[1-9]\d*", token) and size is None:
+            size = tuple(int(v) for v in token.split("x"))
+        else:
+            what = "neither a label scheme" if base == "fets_volumes" else "not a label scheme"
+            raise ValueError(f"{name!r}: {token!r} is {what} ({', '.join(FETS_LABELS)})"
+                             f"{' nor a volume size D x H x W' if base == 'fets_volumes' else ''}; fix: {form}, "
+                             f"e.g. {base}/{'48x64x64/' if base == 'fets_volumes' else ''}classes")
+    return size, labels
+
+
+def _fets_labels(seg: np.ndarray, labels: str, subject: str) -> np.ndarray:
+    """A FeTS ``seg`` volume -> int32 masks: ``seg > 0`` (``whole_tumour``) or the values 0, 1, 2, 4 as 0..3."""
+    seg = np.asarray(seg)
+    if labels == "whole_tumour":
+        return (seg > 0).astype(np.int32)
+    values = np.unique(seg)
+    unknown = sorted(set(values.tolist()) - set(FETS_CLASS_VALUES))
+    if unknown:
+        raise DataUnavailableError(f"fets: {subject}'s seg holds label values {unknown[:5]} outside FeTS's "
+                                   f"{FETS_CLASS_VALUES}; fix: labels='whole_tumour' (seg > 0), or a FeTS seg file")
+    lookup = np.zeros(max(FETS_CLASS_VALUES) + 1, np.int32)
+    lookup[list(FETS_CLASS_VALUES)] = np.arange(len(FETS_CLASS_VALUES))
+    return lookup[seg.astype(np.int64)]
+
+
+def _fets_num_classes(labels: str) -> int:
+    if labels not in FETS_LABELS:
+        raise ValueError(f"fets: labels={labels!r}; fix: one of {FETS_LABELS}")
+    return 2 if labels == "whole_tumour" else len(FETS_CLASS_VALUES)
+
+
 def _fets_partitions(root: str, num_partitions: int) -> dict[int, list[str]]:
     """``partitioning_1.csv`` -> ``{partition: sorted subject ids}`` for partitions ``1..num_partitions`` whose
     subject folder exists in ``root`` (other rows are skipped)."""
@@ -351,8 +402,10 @@ def _fets_slices(area: np.ndarray, k: int) -> np.ndarray:
     return np.sort(np.asarray(chosen, np.int64))
 
 
-def _fets_subject(root: str, subject: str, size: int, k: int, nib) -> tuple[np.ndarray, np.ndarray]:
-    """One subject -> (FLAIR slices ``[k, size, size]`` float32 in [0, 1], whole-tumour masks ``[k, size, size]``)."""
+def _fets_subject(root: str, subject: str, size: int, k: int, nib,
+                  labels: str = "whole_tumour") -> tuple[np.ndarray, np.ndarray]:
+    """One subject -> (FLAIR slices ``[k, size, size]`` float32 in [0, 1], masks ``[k, size, size]`` int32 of
+    ``labels``)."""
     from PIL import Image
 
     flair = _fets_volume(root, subject, "flair", nib)
@@ -362,19 +415,21 @@ def _fets_subject(root: str, subject: str, size: int, k: int, nib) -> tuple[np.n
                                    f"{_FETS_FIX}")
     if k > flair.shape[2]:
         raise ValueError(f"fets: slices_per_subject={k} but {subject} has {flair.shape[2]} axial slices")
-    tumour = np.asarray(seg) > 0
+    classes = _fets_labels(seg, labels, subject)
+    tumour = classes > 0
     scaled = _fets_scaled_flair(flair)
     xs, ys = np.empty((k, size, size), np.float32), np.empty((k, size, size), np.int32)
     for i, z in enumerate(_fets_slices(tumour.sum(axis=(0, 1)), k)):
         image = Image.fromarray(scaled[:, :, z], mode="F")
-        mask = Image.fromarray(tumour[:, :, z].astype(np.uint8), mode="L")
+        mask = Image.fromarray(classes[:, :, z].astype(np.uint8), mode="L")
         xs[i] = np.asarray(image.resize((size, size), Image.BILINEAR), np.float32)
-        ys[i] = np.asarray(mask.resize((size, size), Image.NEAREST)) > 0
+        ys[i] = np.asarray(mask.resize((size, size), Image.NEAREST))
     return xs, ys
 
 
 def load_fets(data_dir: str | None, size: int = 64, slices_per_subject: int = 8, test_fraction: float = 0.2,
-              num_partitions: int = 10, seed: int = 0, pixels: str = "standardised") -> Dataset:
+              num_partitions: int = 10, seed: int = 0, pixels: str = "standardised",
+              labels: str = "whole_tumour") -> Dataset:
     """FeTS 2021/2022 brain-tumour MRI as a 2-D binary segmentation set with one client per institution.
 
     Layout of ``data_dir`` (FeTS's training folder): ``<Subject_ID>/<Subject_ID>_flair.nii.gz`` and
@@ -389,7 +444,9 @@ def load_fets(data_dir: str | None, size: int = 64, slices_per_subject: int = 8,
       with empty slices near evenly spaced positions over the central half of the volume;
     * intensities: FLAIR divided by the subject's 99th percentile of its non-zero (brain) voxels and
       clipped to [0, 1] (the brightest 1% saturate);
-    * masks: whole tumour, ``seg > 0`` (labels 1, 2 and 4);
+    * masks (``labels``): ``"whole_tumour"``, ``seg > 0`` (labels 1, 2 and 4), or ``"classes"``, the
+      FedRef authors' 4 classes: FeTS's values 0 (background), 1 (necrotic and non-enhancing core),
+      2 (oedema), 4 (enhancing tumour) as 0, 1, 2, 3;
     * resizing: slices to ``size x size`` with PIL, bilinear for images, nearest neighbour for masks
       (rows follow the first voxel axis, as stored);
     * split: per partition, ``test_fraction * n`` (rounded half up) of its ``n`` subjects (a seeded permutation,
@@ -406,26 +463,30 @@ def load_fets(data_dir: str | None, size: int = 64, slices_per_subject: int = 8,
       num_partitions: institutions ``1..K`` of ``partitioning_1.csv`` kept (the authors' 10).
       seed: seed of the subject split.
       pixels: ``"standardised"`` (the training slices' mean/std) or ``"unit"`` (the [0, 1] scaling above).
+      labels: one of :data:`FETS_LABELS`.
 
     Returns:
       ``Dataset(name="fets", source="fets:<data_dir>")``: ``x_* [n, S, S, 1]`` float32, ``y_* [n, S, S]`` int32
-      in {0, 1}, ``num_classes = 2``, and ``client_ids [n_train]`` int32 (partition - 1, in ``0..K-1``).
+      in {0, 1} with ``num_classes = 2`` (``"classes"``: in 0..3, ``num_classes = 4``), and ``client_ids [n_train]``
+      int32 (partition - 1, in ``0..K-1``).
 
     Raises:
       DataUnavailableError: no ``data_dir``, no ``partitioning_1.csv``, a partition with no subject folder,
-        a missing or unreadable FLAIR / seg file, or nibabel not installed (one line naming the fix).
+        a missing or unreadable FLAIR / seg file, seg values other than 0, 1, 2, 4 (``"classes"``), or nibabel
+        not installed (one line naming the fix).
       ValueError: bad arguments, or no test subject at all.
     """
     if pixels not in PIXELS:
         raise ValueError(f"pixels={pixels!r}; choose one of {PIXELS}")
+    num_classes = _fets_num_classes(labels)
     size, k, num_partitions = int(size), int(slices_per_subject), int(num_partitions)
     if size < 1 or k < 1 or num_partitions < 1 or not 0 <= test_fraction < 1:
         raise ValueError(f"fets: need size, slices_per_subject, num_partitions >= 1 and test_fraction in [0, 1), got "
                          f"{size}, {k}, {num_partitions}, {test_fraction}")
     root, parts, nib = _fets_source("fets", data_dir, num_partitions)
     (x_tr, y_tr, c_tr), (x_te, y_te, _) = _fets_splits(parts, test_fraction, seed,
-                                                       lambda subject: _fets_subject(root, subject, size, k, nib))
-    return _pack("fets", x_tr, y_tr, x_te, y_te, f"fets:{root}", pixels, client_ids=c_tr)
+                                                       lambda subject: _fets_subject(root, subject, size, k, nib, labels))
+    return _pack("fets", x_tr, y_tr, x_te, y_te, f"fets:{root}", pixels, client_ids=c_tr, num_classes=num_classes)
 
 
 def _fets_splits(parts: dict[int, list[str]], test_fraction: float, seed: int, read):
@@ -458,9 +519,9 @@ def _fets_scaled_flair(flair: np.ndarray) -> np.ndarray:
     return np.clip(flair / (scale if scale > 0 else 1.0), 0.0, 1.0).astype(np.float32)
 
 
-def _fets_subject_volume(root: str, subject: str, size: tuple[int, int, int] | None,
-                         nib) -> tuple[np.ndarray, np.ndarray]:
-    """One subject -> (FLAIR ``[1, D, H, W, 1]`` float32 in [0, 1], whole-tumour mask ``[1, D, H, W]`` int32).
+def _fets_subject_volume(root: str, subject: str, size: tuple[int, int, int] | None, nib,
+                         labels: str = "whole_tumour") -> tuple[np.ndarray, np.ndarray]:
+    """One subject -> (FLAIR ``[1, D, H, W, 1]`` float32 in [0, 1], mask ``[1, D, H, W]`` int32 of ``labels``).
 
     Axes in the FedRef authors' order, SimpleITK's ``[z, y, x]``: the voxel axes (i, j, k) as
     stored reversed (so ``H, W`` are the 2-D slices' columns and rows); ``size`` resizes (``jax.image.resize``: linear for the image, antialiased when shrinking,
@@ -474,16 +535,17 @@ def _fets_subject_volume(root: str, subject: str, size: tuple[int, int, int] | N
         raise DataUnavailableError(f"fets: {subject}'s FLAIR {flair.shape} and seg {seg.shape} differ in shape; "
                                    f"{_FETS_FIX}")
     image = np.transpose(_fets_scaled_flair(flair), (2, 1, 0))
-    mask = np.transpose(np.asarray(seg) > 0, (2, 1, 0)).astype(np.float32)
+    mask = np.transpose(_fets_labels(seg, labels, subject), (2, 1, 0))
     if size is not None and tuple(size) != image.shape:
         image = np.asarray(jax.image.resize(image, tuple(size), "linear"), np.float32)
-        mask = np.asarray(jax.image.resize(mask, tuple(size), "nearest"))
-    return image[None, ..., None], (mask > 0.5).astype(np.int32)[None]
+        mask = np.rint(np.asarray(jax.image.resize(mask.astype(np.float32), tuple(size), "nearest"))).astype(np.int32)
+    return image[None, ..., None], mask[None]
 
 
 def load_fets_volumes(data_dir: str | None, size: tuple[int, int, int] | None = None, test_fraction: float = 0.2,
-                      num_partitions: int = 10, seed: int = 0, pixels: str = "standardised") -> Dataset:
-    """FeTS 2021/2022 FLAIR volumes with whole-tumour masks, one client per institution (for ``models.UNet3D``).
+                      num_partitions: int = 10, seed: int = 0, pixels: str = "standardised",
+                      labels: str = "whole_tumour") -> Dataset:
+    """FeTS 2021/2022 FLAIR volumes with tumour masks, one client per institution (for ``models.UNet3D``).
 
     The folder layout, subjects, partitions, test split and intensity scaling are
     :func:`load_fets`'s; each subject is one sample, its whole volume:
@@ -492,8 +554,8 @@ def load_fets_volumes(data_dir: str | None, size: tuple[int, int, int] | None = 
       arrays (``GetArrayFromImage``: ``[z, y, x]``); the 2-D slices are ``[i, j]``;
     * intensities: :func:`load_fets`'s scaling, then (``pixels="standardised"``) the training
       volumes' mean and std; the authors feed the raw FLAIR values;
-    * masks: whole tumour, ``seg > 0`` (the FedRef authors train 4 classes: background and
-      labels 1, 2, 4; this binary reduction is the one the 2-D set makes too);
+    * masks (``labels``, as in :func:`load_fets`): ``"whole_tumour"``, ``seg > 0``, or ``"classes"``, the
+      FedRef authors' 4 classes (values 0, 1, 2, 4 as 0..3);
     * ``size``: resize every volume to ``(D, H, W)`` (``jax.image.resize``: linear and antialiased
       when shrinking for the image, nearest neighbour for the mask); None keeps FeTS's
       155 x 240 x 240 grid, as the authors do. ``load`` reaches
@@ -501,13 +563,15 @@ def load_fets_volumes(data_dir: str | None, size: tuple[int, int, int] | None = 
 
     Returns:
       ``Dataset(name="fets_volumes")``: ``x_* [n, D, H, W, 1]`` float32, ``y_* [n, D, H, W]`` int32 in
-      {0, 1}, ``num_classes = 2``, ``client_ids [n_train]`` (partition - 1).
+      {0, 1}, ``num_classes = 2`` (``"classes"``: 0..3, ``num_classes = 4``), ``client_ids [n_train]``
+      (partition - 1).
 
     Raises:
       As :func:`load_fets`.
     """
     if pixels not in PIXELS:
         raise ValueError(f"pixels={pixels!r}; choose one of {PIXELS}")
+    num_classes = _fets_num_classes(labels)
     if size is not None and (len(size) != 3 or min(int(v) for v in size) < 1):
         raise ValueError(f"fets_volumes: size must be three sizes >= 1 (D, H, W), got {size}; fix: e.g. (48, 64, 64)")
     if not 0 <= test_fraction < 1 or int(num_partitions) < 1:
@@ -515,8 +579,9 @@ def load_fets_volumes(data_dir: str | None, size: tuple[int, int, int] | None = 
                          f"{num_partitions}")
     root, parts, nib = _fets_source("fets_volumes", data_dir, int(num_partitions))
     (x_tr, y_tr, c_tr), (x_te, y_te, _) = _fets_splits(
-        parts, test_fraction, seed, lambda subject: _fets_subject_volume(root, subject, size, nib))
-    return _pack("fets_volumes", x_tr, y_tr, x_te, y_te, f"fets:{root}", pixels, client_ids=c_tr)
+        parts, test_fraction, seed, lambda subject: _fets_subject_volume(root, subject, size, nib, labels))
+    return _pack("fets_volumes", x_tr, y_tr, x_te, y_te, f"fets:{root}", pixels, client_ids=c_tr,
+                 num_classes=num_classes)
 
 
 def _fets_source(name: str, data_dir: str | None, num_partitions: int):
@@ -672,7 +737,9 @@ def load_segmentation(name: str, data_dir: str | None = None, *, max_train: int 
     slices per subject, partitions 1..10, the subject split of seed 0, fixed
     like DRIVE's), then the same seeded subset of slices; ``client_ids`` keeps
     the kept training rows. ``fets_volumes`` / ``fets_volumes/DxHxW``: :func:`load_fets_volumes`
-    (native grid, or resized to ``D x H x W``), then a seeded subset of volumes.
+    (native grid, or resized to ``D x H x W``), then a seeded subset of volumes. Either FeTS name
+    takes ``/classes`` last for the authors' 4 classes instead of whole-tumour masks
+    (:func:`fets_config`), e.g. ``fets_volumes/48x64x64/classes``.
     """
     if name == "vessels":
         return vessels(400 if max_train is None else max_train, 100 if max_test is None else max_test,
@@ -682,11 +749,12 @@ def load_segmentation(name: str, data_dir: str | None = None, *, max_train: int 
     if name == "oxford_iiit_pet":
         return load_tfds_segmentation(name, tfds_data_dir, download=tfds_download, pixels=pixels,
                                       max_train=max_train, max_test=max_test, seed=seed)
-    if name == "fets":
-        return _limit(load_fets(data_dir, pixels=pixels), max_train, max_test, seed)
-    base, _, config = name.partition("/")
+    base = name.partition("/")[0]
+    if base == "fets":
+        _, labels = fets_config(name)
+        return _limit(load_fets(data_dir, pixels=pixels, labels=labels), max_train, max_test, seed)
     if base == "fets_volumes":
-        size = tuple(int(v) for v in config.split("x")) if config else None
-        return _limit(load_fets_volumes(data_dir, size, pixels=pixels), max_train, max_test, seed)
-    raise ValueError(f"unknown segmentation set {name!r}; valid: vessels, drive, oxford_iiit_pet, fets, "
-                     "fets_volumes[/DxHxW]")
+        size, labels = fets_config(name)
+        return _limit(load_fets_volumes(data_dir, size, pixels=pixels, labels=labels), max_train, max_test, seed)
+    raise ValueError(f"unknown segmentation set {name!r}; valid: vessels, drive, oxford_iiit_pet, fets[/classes], "
+                     "fets_volumes[/DxHxW][/classes]")

@@ -26,7 +26,6 @@ import gzip
 import importlib.util
 import logging
 import os
-import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -59,6 +58,7 @@ DATASETS = (
     "drive",
     "oxford_iiit_pet",  # segmentation too: Oxford-IIIT Pet from TFDS, 64x64 RGB, pet-or-border masks
     "fets",  # segmentation too: FeTS 2021/2022 brain MRI from data_dir, 2-D FLAIR slices, whole-tumour masks
+    # (fets/classes: the FedRef authors' 4 classes)
     "fets_volumes",  # the same subjects' whole FLAIR volumes [D, H, W] (fets_volumes/DxHxW resizes them)
 )
 
@@ -405,11 +405,14 @@ def _canonical(name: str) -> tuple[str, str | None]:
     base = base.replace("-", "_")
     if base == "fashionmnist":
         base = "fashion_mnist"
-    valid = ", ".join(DATASETS) + ", emnist/<" + "|".join(_EMNIST_CONFIGS) + ">, fets_volumes/<D>x<H>x<W>"
-    if base not in DATASETS or (config and base not in ("emnist", "fets_volumes")):
+    valid = (", ".join(DATASETS) + ", emnist/<" + "|".join(_EMNIST_CONFIGS) + ">, fets/classes, "
+             "fets_volumes[/<D>x<H>x<W>][/classes]")
+    if base not in DATASETS or (config and base not in ("emnist", "fets", "fets_volumes")):
         raise ValueError(f"unknown data set {name!r}; fix: use one of the valid names: {valid}")
-    if base == "fets_volumes" and config and not re.fullmatch(r"[1-9]\d*x[1-9]\d*x[1-9]\d*", config):
-        raise ValueError(f"{name!r}: the volume size is D x H x W in voxels; fix: e.g. fets_volumes/48x64x64")
+    if base in ("fets", "fets_volumes") and config:
+        from bfedjax.data.segmentation import fets_config
+
+        fets_config(f"{base}/{config}")  # a one-line ValueError for a bad size or label scheme
     if base == "emnist":
         config = config or "balanced"
         if config not in _EMNIST_CONFIGS:
@@ -618,7 +621,9 @@ def load(
     ``drive`` (DRIVE in ``data_dir``), ``oxford_iiit_pet`` (TFDS, 64x64 RGB, pet-or-border
     masks) and ``fets`` (FeTS slices in ``data_dir``); their ``y_*`` are ``[n, H, W]`` masks.
     ``fets_volumes`` (or ``fets_volumes/DxHxW``, resized): whole FeTS volumes, ``x_* [n, D, H, W, 1]``
-    and ``y_* [n, D, H, W]``.
+    and ``y_* [n, D, H, W]``. Both FeTS names take ``/classes`` last (``fets/classes``,
+    ``fets_volumes/48x64x64/classes``): the FedRef authors' 4 classes (FeTS's labels 0, 1, 2, 4 as
+    0..3, ``num_classes = 4``) instead of whole-tumour masks.
 
     Returns:
       :class:`Dataset` with ``x_* [n, H, W, C]`` float32 and ``y_* [n]`` int32.

@@ -1,38 +1,48 @@
-"""Binary segmentation metrics and losses for 2-D images and 3-D volumes, usable inside ``jax.jit``.
+"""Segmentation metrics and losses for 2-D images and 3-D volumes, usable inside ``jax.jit``.
 
 Conventions (all functions):
 
-* ``logits [B, *S]`` float, one logit per pixel (voxel), ``S`` the spatial shape ``(H, W)``
-  or ``(D, H, W)``; the hard prediction is ``logits > 0``. Shapes below are written for
-  images, ``[B, H, W]``; every function takes volumes alike.
-* ``masks [B, *S]`` int/float/bool in {0, 1} (1 = foreground).
+* ``logits`` float, either ``[B, *S]`` -- binary segmentation, one foreground logit per
+  pixel (voxel), hard prediction ``logits > 0`` -- or ``[B, *S, C]`` -- ``C >= 2`` classes,
+  one logit per class, hard prediction the argmax. ``S`` is the spatial shape ``(H, W)`` or
+  ``(D, H, W)``; shapes below are written for images. A binary logit ``z`` is the
+  two-class logits ``[0, z]`` wherever classes are needed (:func:`class_logits`; exact,
+  since ``softmax([0, z]) = [1 - sigmoid z, sigmoid z]``), so every multi-class formula
+  reduces to the binary one at ``C = 2``.
+* ``masks [B, *S]`` int class labels in ``{0, ..., C-1}`` (0 = background; binary: {0, 1}).
 * ``weights [B]`` float, optional: 1 = real image, 0 = padding row of a padded batch.
   ``None`` means every image is real. Weighted means divide by ``sum(weights)`` and are 0
   when it is 0.
 * Metrics return PER-IMAGE values ``[B]`` unless said otherwise; the caller averages.
 
-Standard metrics: :func:`dice`, :func:`iou`, :func:`hausdorff95` (medpy's ``hd95``),
-and the losses :func:`soft_dice_loss`, :func:`bce_dice_loss`.
+Standard metrics (the spec's default: hard argmax masks): :func:`dice`, :func:`iou`,
+:func:`hausdorff95` (medpy's ``hd95``) of one binary mask pair, and :func:`pixel_accuracy`;
+with ``C > 2`` classes, :func:`evaluate_batch` takes each foreground class ``1..C-1`` as its
+own mask pair and reports the mean over those classes (and each class's Dice).
+
+Losses (:data:`LOSSES`): ``"ce_dice"`` (:func:`ce_dice_loss`, cross-entropy + soft Dice, the
+default), and the FedRef authors' ``"focal"`` (:func:`authors_focal_loss`, their DRIVE loss)
+and ``"dice_focal"`` (:func:`dice_focal_loss`, their FeTS loss), segmentation_models_pytorch's
+multiclass ``DiceLoss`` and ``FocalLoss`` as they configure them.
 
 The FedRef authors' metrics (:func:`authors_soft_dice`, :func:`authors_soft_iou`,
 :func:`authors_hd95`) reproduce what their evaluation code computes, which is NOT the
 standard metrics (an activation applied twice, and a "Hausdorff 95" that is a row-wise
-L2 distance). Our model has one logit ``z`` per pixel; their network has C-channel
-logits. We map ``z`` to the two-class logits ``[0, z]`` (our choice: it is the natural
-two-class equivalent since ``softmax([0, z]) = [1 - sigmoid z, sigmoid z]``), then apply
-their pipeline to those two channels.
+L2 distance), on the class logits (``[0, z]`` for one logit per pixel).
 
 Streaming over test batches: :func:`evaluate_batch` returns additive SUMS, so the caller
 adds the dicts of all batches (``jax.tree.map(jnp.add, ...)``) and calls :func:`summarize`
 once. The authors' soft Dice/IoU are batch-POOLED (sums over images and pixels before the
 ratio), so they cannot be summed per image; instead ``evaluate_batch`` returns their pooled
-per-class pieces (``authors_inter``, ``authors_card``, ``authors_target``, each ``[2]``),
-which are additive too, and :func:`summarize` forms the ratios over the whole test set —
+per-class pieces (``authors_inter``, ``authors_card``, ``authors_target``, each ``[C]``),
+which are additive too, and :func:`summarize` forms the ratios over the whole test set --
 the same value as :func:`authors_soft_dice` applied to the whole test set as one batch.
 (If the authors averaged per-batch scores over their test loader instead, that value
 depends on their batch size; call :func:`authors_soft_dice` per batch to mimic it.)
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +51,9 @@ import optax
 AUTHORS_SMOOTH = 1e-5  # smp DiceLoss/JaccardLoss(smooth=1e-5, eps=1e-7) as the authors configure them
 AUTHORS_EPS = 1e-7
 PAIRWISE_EPS = 1e-6  # torch.nn.PairwiseDistance's default eps, added to the difference
+FOCAL_ALPHA = 0.1  # smp FocalLoss(mode="multiclass", alpha=0.1, gamma=4.5, normalized=True): the authors' DRIVE and FeTS
+FOCAL_GAMMA = 4.5
+FOCAL_NORM_EPS = 1e-6  # smp's clamp_min of the normaliser
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -63,6 +76,36 @@ def _weights_or_ones(weights, batch: int):
 def _spatial(x) -> tuple[int, ...]:
     """The spatial axes of ``x [B, *S]``: every axis but the first."""
     return tuple(range(1, jnp.ndim(x)))
+
+
+def class_logits(logits, masks):
+    """Per-class logits ``[B, *S, C]``: one binary logit per pixel ``[B, *S]`` becomes ``[0, z]`` (C = 2);
+    ``[B, *S, C]`` is returned as float32. ``masks [B, *S]`` gives the spatial rank."""
+    z = jnp.asarray(logits, jnp.float32)
+    if z.ndim == jnp.ndim(masks):
+        return jnp.stack([jnp.zeros_like(z), z], axis=-1)
+    if z.ndim != jnp.ndim(masks) + 1:
+        raise ValueError(f"logits {z.shape} do not fit masks {jnp.shape(masks)}: need [B, *S] (one binary logit) "
+                         "or [B, *S, C] (one logit per class)")
+    return z
+
+
+def hard_labels(logits, masks):
+    """Hard prediction ``[B, *S]`` int32: ``logits > 0`` for one binary logit, else the argmax over classes."""
+    z = jnp.asarray(logits)
+    if z.ndim == jnp.ndim(masks):
+        return (z > 0).astype(jnp.int32)
+    return jnp.argmax(class_logits(z, masks), axis=-1).astype(jnp.int32)
+
+
+def _onehot(masks, num_classes: int):
+    """``masks [B, *S]`` labels -> one-hot ``[B, *S, C]`` float32."""
+    return jax.nn.one_hot(jnp.asarray(masks, jnp.int32), num_classes, dtype=jnp.float32)
+
+
+def _image_weights(weights, x):
+    """``weights [B]`` (None: ones) shaped to broadcast against ``x [B, ...]``."""
+    return _weights_or_ones(weights, x.shape[0]).reshape((-1,) + (1,) * (x.ndim - 1))
 
 
 def _counts(pred, target):
@@ -105,8 +148,8 @@ def iou(pred, target):
 
 @jax.jit
 def pixel_accuracy(pred, target):
-    """Per-image fraction of pixels where hard masks ``pred``, ``target [B, H, W]`` agree; ``[B]``."""
-    agree = jnp.asarray(pred).astype(bool) == jnp.asarray(target).astype(bool)
+    """Per-image fraction of pixels where hard masks or label maps ``pred``, ``target [B, H, W]`` agree; ``[B]``."""
+    agree = jnp.asarray(pred).astype(jnp.int32) == jnp.asarray(target).astype(jnp.int32)
     return jnp.mean(agree, axis=_spatial(agree)).astype(jnp.float32)
 
 
@@ -217,23 +260,22 @@ def hausdorff95(pred, target):
 # ---------------------------------------------------------------------------- FedRef authors' metrics
 
 
-def _authors_probs(logits):
-    """The authors' double activation on our two-class logits ``[0, z]``.
+def _authors_probs(logits, masks):
+    """The authors' double activation on the class logits ``[B, *S, C]`` (:func:`class_logits`).
 
-    ``logits [B, H, W]`` -> ``[B, 2, H, W]``: step 1 (their model output -> ``sigmoid``):
-    ``sigmoid([0, z]) = [0.5, sigmoid z]``; step 2 (smp's ``from_logits=True``, multiclass):
-    a softmax over the class axis of those, giving foreground probability
-    ``sigmoid(sigmoid(z) - 0.5)``, which lies in ``(sigmoid(-0.5), sigmoid(0.5)) ≈ (0.378, 0.622)``.
+    Step 1 (their model's eval-mode output): ``sigmoid``; step 2 (smp's ``from_logits=True``,
+    multiclass): a softmax over the classes of those. For one binary logit ``z`` this gives
+    foreground probability ``sigmoid(sigmoid(z) - 0.5)``, which lies in
+    ``(sigmoid(-0.5), sigmoid(0.5)) ~ (0.378, 0.622)``. Returns ``[B, *S, C]``.
     """
-    z = jnp.asarray(logits, jnp.float32)
-    two = jnp.stack([jnp.zeros_like(z), z], axis=1)
-    return jax.nn.softmax(jax.nn.sigmoid(two), axis=1)
+    return jax.nn.softmax(jax.nn.sigmoid(class_logits(logits, masks)), axis=-1)
 
 
-def _onehot(masks):
-    """``masks [B, H, W]`` -> one-hot ``[B, 2, H, W]`` float32 (channel 0 background, 1 foreground)."""
-    fg = jnp.asarray(masks).astype(bool).astype(jnp.float32)
-    return jnp.stack([1.0 - fg, fg], axis=1)
+def _pooled(probs, onehot, weights):
+    """smp's per-class pooled sums over the real images and all pixels: ``(sum p t, sum p + t, sum t)``, each ``[C]``."""
+    w = _image_weights(weights, probs)
+    total = lambda x: jnp.sum(x * w, axis=tuple(range(probs.ndim - 1)))
+    return total(probs * onehot), total(probs + onehot), total(onehot)
 
 
 @jax.jit
@@ -241,31 +283,35 @@ def authors_pooled_stats(logits, masks, weights=None):
     """Batch-pooled per-class pieces of the authors' soft Dice/IoU (additive over batches).
 
     Args:
-      logits: ``[B, H, W]``; masks: ``[B, H, W]``; weights: ``[B]`` or None.
+      logits: ``[B, H, W]`` or ``[B, H, W, C]``; masks: ``[B, H, W]``; weights: ``[B]`` or None.
     Returns:
-      ``(inter, card, target)``, each ``[2]`` (background, foreground): sums over the real
-      images and all pixels of ``p * t``, ``p + t`` and ``t``, with ``p`` from
+      ``(inter, card, target)``, each ``[C]`` (``C = 2`` for one binary logit): sums over the
+      real images and all pixels of ``p * t``, ``p + t`` and ``t``, with ``p`` from
       :func:`_authors_probs` and ``t`` the one-hot mask.
     """
-    p, t = _authors_probs(logits), _onehot(masks)
-    w = _weights_or_ones(weights, p.shape[0]).reshape((-1,) + (1,) * (p.ndim - 1))
-    total = lambda x: jnp.sum(x * w, axis=(0,) + tuple(range(2, p.ndim)))
-    return total(p * t), total(p + t), total(t)
+    p = _authors_probs(logits, masks)
+    return _pooled(p, _onehot(masks, p.shape[-1]), weights)
 
 
-def _authors_scores(inter, card, target):
-    """smp's multiclass Dice and Jaccard "scores" (1 - loss) from the pooled pieces ``[2]``.
+def _smp_scores(inter, card, target):
+    """smp's multiclass Dice and Jaccard LOSSES from the pooled pieces ``[C]``.
 
     Per class: ``dice_c = (2 I + s) / max(card + s, eps)``, ``jacc_c = (I + s) / max(card - I + s, eps)``;
     ``loss_c = 1 - score_c``, zeroed for classes absent from the targets; loss = mean over
-    classes; returned score = ``1 - loss``. Returns ``(dice, iou)`` scalars.
+    ALL classes (absent ones count as 0). Returns ``(dice_loss, jaccard_loss)`` scalars.
     """
     present = (target > 0).astype(jnp.float32)
     s, eps = AUTHORS_SMOOTH, AUTHORS_EPS
     dice_c = (2.0 * inter + s) / jnp.maximum(card + s, eps)
     jacc_c = (inter + s) / jnp.maximum(card - inter + s, eps)
-    score = lambda c: 1.0 - jnp.mean((1.0 - c) * present)
-    return score(dice_c), score(jacc_c)
+    loss = lambda c: jnp.mean((1.0 - c) * present)
+    return loss(dice_c), loss(jacc_c)
+
+
+def _authors_scores(inter, card, target):
+    """The authors' reported ``(dice, iou)``: ``1 -`` smp's losses (:func:`_smp_scores`)."""
+    dice_loss, jaccard_loss = _smp_scores(inter, card, target)
+    return 1.0 - dice_loss, 1.0 - jaccard_loss
 
 
 @jax.jit
@@ -275,12 +321,12 @@ def authors_soft_dice(logits, masks, weights=None):
     Their pipeline: ``sigmoid`` on the C-channel network output, then
     segmentation_models_pytorch ``DiceLoss(mode="multiclass", from_logits=True,
     smooth=1e-5, eps=1e-7)``, which applies a softmax over the classes AGAIN, and they
-    report ``1 - loss``. Our one logit per pixel becomes the two-class logits ``[0, z]``
-    (see :func:`_authors_probs`). smp pools over the batch AND all pixels jointly per
-    class; classes absent from the batch's targets count as loss 0 (see :func:`_authors_scores`).
+    report ``1 - loss``. One logit per pixel becomes the two-class logits ``[0, z]``
+    (:func:`class_logits`). smp pools over the batch AND all pixels jointly per
+    class; classes absent from the batch's targets count as loss 0 (see :func:`_smp_scores`).
 
     Args:
-      logits: ``[B, H, W]``; masks: ``[B, H, W]`` in {0, 1}; weights: ``[B]`` or None
+      logits: ``[B, H, W]`` or ``[B, H, W, C]``; masks: ``[B, H, W]`` labels; weights: ``[B]`` or None
         (zero-weight images are left out of the pooled sums).
     Returns:
       scalar: ONE value for the (real images of the) batch.
@@ -302,97 +348,194 @@ def authors_soft_iou(logits, masks, weights=None):
 def authors_hd95(logits, masks):
     """The FedRef authors' "Hausdorff 95", as their code computes it; NOT a Hausdorff distance.
 
-    Steps, per image: ``pred_map = sigmoid([0, z])`` ``[2, H, W]`` (channel 0 is 0.5
-    everywhere, channel 1 is ``sigmoid z``; no softmax here); ``label`` = one-hot of the
-    mask ``[2, H, W]``; torch's ``nn.PairwiseDistance()(pred_map, label)`` =
-    ``|| pred_map - label + 1e-6 ||_2`` along the LAST axis (image width) -> ``[2, H]``;
-    the max over channels and rows. (The authors take the max over their whole batch,
-    which is the max of these per-image values.)
+    Steps, per image: ``pred_map = sigmoid(class logits)`` (for one binary logit, ``sigmoid([0, z])``:
+    channel 0 is 0.5 everywhere; no softmax here); ``label`` = one-hot of the mask; torch's
+    ``nn.PairwiseDistance()(pred_map, label)`` = ``|| pred_map - label + 1e-6 ||_2`` along the
+    LAST spatial axis (image width) -> ``[C, H]`` (``[C, D, H]``); the max over classes and rows.
+    (The authors take the max over their whole batch, which is the max of these per-image values.)
 
     Args:
-      logits: ``[B, H, W]``; masks: ``[B, H, W]`` in {0, 1}.
+      logits: ``[B, H, W]`` or ``[B, H, W, C]``; masks: ``[B, H, W]`` labels.
     Returns:
       ``[B]`` float32.
     """
-    z = jnp.asarray(logits, jnp.float32)
-    pred_map = jax.nn.sigmoid(jnp.stack([jnp.zeros_like(z), z], axis=1))
-    dist = jnp.sqrt(jnp.sum(jnp.square(pred_map - _onehot(masks) + PAIRWISE_EPS), axis=-1))  # [B, 2, H] ([B, 2, D, H])
+    pred_map = jax.nn.sigmoid(class_logits(logits, masks))  # [B, *S, C]
+    diff = pred_map - _onehot(masks, pred_map.shape[-1]) + PAIRWISE_EPS
+    dist = jnp.sqrt(jnp.sum(jnp.square(diff), axis=-2))  # the width axis: [B, *S[:-1], C]
     return jnp.max(dist, axis=tuple(range(1, dist.ndim)))
 
 
 # ---------------------------------------------------------------------------- losses
 
 
-def _per_image_soft_dice_loss(logits, masks, smooth):
-    """``[B]``: ``1 - (2 sum(p t) + smooth) / (sum p + sum t + smooth)``, ``p = sigmoid(logits)``."""
-    p = jax.nn.sigmoid(jnp.asarray(logits, jnp.float32))
-    t = jnp.asarray(masks, jnp.float32)
-    inter = jnp.sum(p * t, axis=_spatial(p))
-    card = jnp.sum(p, axis=_spatial(p)) + jnp.sum(t, axis=_spatial(t))
-    return 1.0 - (2.0 * inter + smooth) / (card + smooth)
+def _per_image_ce(logits, masks):
+    """``[B]``: the mean over pixels of the cross-entropy: binary with logits for one logit per pixel (optax's
+    stable form), else softmax over the class logits."""
+    if jnp.ndim(logits) == jnp.ndim(masks):
+        ce = optax.sigmoid_binary_cross_entropy(jnp.asarray(logits, jnp.float32), jnp.asarray(masks, jnp.float32))
+    else:
+        ce = optax.softmax_cross_entropy_with_integer_labels(class_logits(logits, masks), jnp.asarray(masks, jnp.int32))
+    return jnp.mean(ce, axis=_spatial(ce))
 
 
-def _per_image_bce_dice(logits, masks, dice_weight, smooth=1.0):
-    """``[B]``: per-image mean pixel BCE-with-logits + ``dice_weight`` * per-image soft Dice loss."""
-    bce = optax.sigmoid_binary_cross_entropy(jnp.asarray(logits, jnp.float32), jnp.asarray(masks, jnp.float32))
-    return jnp.mean(bce, axis=_spatial(bce)) + dice_weight * _per_image_soft_dice_loss(logits, masks, smooth)
+def _per_image_soft_dice(logits, masks, smooth):
+    """``[B]``: the mean over foreground classes ``1..C-1`` of ``1 - (2 sum p t + smooth) / (sum p + sum t + smooth)``,
+    ``p = softmax`` of the class logits (``sigmoid(z)`` for one logit per pixel, computed directly)."""
+    if jnp.ndim(logits) == jnp.ndim(masks):
+        p = jax.nn.sigmoid(jnp.asarray(logits, jnp.float32))[..., None]
+        t = jnp.asarray(masks, jnp.float32)[..., None]
+    else:
+        z = class_logits(logits, masks)
+        p, t = jax.nn.softmax(z, axis=-1)[..., 1:], _onehot(masks, z.shape[-1])[..., 1:]
+    pixels = tuple(range(1, p.ndim - 1))
+    inter = jnp.sum(p * t, axis=pixels)  # [B, C-1]
+    card = jnp.sum(p, axis=pixels) + jnp.sum(t, axis=pixels)
+    return jnp.mean(1.0 - (2.0 * inter + smooth) / (card + smooth), axis=1)
+
+
+@jax.jit
+def ce_dice_loss(logits, masks, weights=None, dice_weight: float = 1.0):
+    """Cross-entropy + ``dice_weight`` * soft Dice, each per image, averaged over the real images.
+
+    Per image: the mean over pixels of the softmax cross-entropy of the class logits
+    (for one binary logit ``z``: the binary cross-entropy with logits, optax's stable form),
+    plus ``dice_weight`` times the mean over the foreground classes ``1..C-1`` of
+    ``1 - (2 sum(p_c t_c) + 1) / (sum p_c + sum t_c + 1)`` with ``p = softmax`` (for one
+    binary logit ``p_1 = sigmoid z``: the usual binary soft Dice loss).
+
+    Args:
+      logits: ``[B, H, W]`` or ``[B, H, W, C]``; masks: ``[B, H, W]`` labels; weights: ``[B]`` or None.
+    Returns:
+      a differentiable scalar.
+    """
+    return _weighted_mean(_per_image_ce(logits, masks) + dice_weight * _per_image_soft_dice(logits, masks, 1.0), weights)
 
 
 @jax.jit
 def soft_dice_loss(logits, masks, weights=None, smooth: float = 1.0):
-    """Standard soft Dice loss on sigmoid probabilities, averaged over the real images.
-
-    Per image ``1 - (2 sum(p t) + smooth) / (sum p + sum t + smooth)`` with
-    ``p = sigmoid(logits)``; ``logits, masks [B, H, W]``, ``weights [B]`` or None.
-    Returns a differentiable scalar.
-    """
-    return _weighted_mean(_per_image_soft_dice_loss(logits, masks, smooth), weights)
+    """The soft Dice part of :func:`ce_dice_loss` alone (with ``smooth``), averaged over the real images; a scalar."""
+    return _weighted_mean(_per_image_soft_dice(logits, masks, smooth), weights)
 
 
 @jax.jit
-def bce_dice_loss(logits, masks, weights=None, dice_weight: float = 1.0):
-    """Mean pixel binary cross-entropy with logits + ``dice_weight`` * :func:`soft_dice_loss`.
+def authors_dice_loss(logits, masks, weights=None):
+    """segmentation_models_pytorch's ``DiceLoss(mode="multiclass", from_logits=True, smooth=1e-5, eps=1e-7)``.
 
-    Both terms are averaged over the real images (``weights [B]``, None = all);
-    ``logits, masks [B, H, W]``. The BCE is optax's numerically stable form. Returns a
-    differentiable scalar.
+    ``p = softmax(class logits)`` (no sigmoid first: in training the authors' U-Nets output raw
+    logits); per class ``1 - (2 sum p t + 1e-5) / max(sum (p + t) + 1e-5, 1e-7)``, summed over the
+    real images AND pixels jointly (batch-pooled), zero for classes absent from the batch's masks,
+    then the mean over all ``C`` classes (:func:`_smp_scores`).
+
+    Args:
+      logits: ``[B, H, W]`` or ``[B, H, W, C]``; masks: ``[B, H, W]`` labels; weights: ``[B]`` or None.
+    Returns:
+      a differentiable scalar.
     """
-    return _weighted_mean(_per_image_bce_dice(logits, masks, dice_weight), weights)
+    z = class_logits(logits, masks)
+    p = jax.nn.softmax(z, axis=-1)
+    return _smp_scores(*_pooled(p, _onehot(masks, z.shape[-1]), weights))[0]
+
+
+@jax.jit
+def authors_focal_loss(logits, masks, weights=None, alpha: float = FOCAL_ALPHA, gamma: float = FOCAL_GAMMA):
+    """segmentation_models_pytorch's ``FocalLoss(mode="multiclass", alpha, gamma, normalized=True)``.
+
+    smp's multiclass mode is a SUM over classes ``c`` of a binary focal loss of the class's own
+    logit ``z_c`` (a sigmoid, not a softmax) against ``t_c = [mask == c]``:
+    ``l = (1 - pt)^gamma * bce(z_c, t_c) * (alpha t_c + (1 - alpha)(1 - t_c))`` with
+    ``pt = exp(-bce)``; normalised by ``max(sum (1 - pt)^gamma, 1e-6)`` and then averaged over the
+    elements (smp's ``reduction="mean"`` after the normalisation, so the loss scales as one over the
+    number of pixels). Sums and counts run over the real images only. One binary logit is
+    ``[0, z]``: class 0's term is then a constant (no gradient).
+
+    Args:
+      logits: ``[B, H, W]`` or ``[B, H, W, C]``; masks: ``[B, H, W]`` labels; weights: ``[B]`` or None;
+      alpha, gamma: the authors' 0.1 and 4.5 by default.
+    Returns:
+      a differentiable scalar.
+    """
+    z = class_logits(logits, masks)
+    t = _onehot(masks, z.shape[-1])
+    bce = optax.sigmoid_binary_cross_entropy(z, t)
+    focal_term = jnp.power(1.0 - jnp.exp(-bce), gamma)
+    loss = focal_term * bce * (alpha * t + (1.0 - alpha) * (1.0 - t))
+    w = _image_weights(weights, z)
+    per_class = lambda x: jnp.sum(x * w, axis=tuple(range(z.ndim - 1)))  # [C]
+    elements = jnp.sum(w) * (z.size // (z.shape[0] * z.shape[-1]))
+    per_class_loss = per_class(loss) / jnp.maximum(per_class(focal_term), FOCAL_NORM_EPS)
+    return jnp.sum(per_class_loss) / jnp.maximum(elements, 1.0)
+
+
+@jax.jit
+def dice_focal_loss(logits, masks, weights=None):
+    """The FedRef authors' FeTS loss: :func:`authors_dice_loss` + :func:`authors_focal_loss` (weights 1 and 1)."""
+    return authors_dice_loss(logits, masks, weights) + authors_focal_loss(logits, masks, weights)
+
+
+# name -> loss(logits, masks, weights) -> scalar; tasks.segmentation(loss=...) and --segmentation_loss.
+LOSSES = {
+    "ce_dice": ce_dice_loss,  # cross-entropy + soft Dice per image (the default)
+    "focal": authors_focal_loss,  # the FedRef authors' DRIVE loss (smp normalised focal, alpha 0.1, gamma 4.5)
+    "dice_focal": dice_focal_loss,  # the FedRef authors' FeTS loss (smp multiclass Dice + the same focal)
+}
+
+
+def loss_fn(name: str):
+    """The loss :data:`LOSSES` names; a one-line ``ValueError`` naming the choices otherwise."""
+    if name not in LOSSES:
+        raise ValueError(f"unknown segmentation loss {name!r}; fix: one of {', '.join(LOSSES)}")
+    return LOSSES[name]
 
 
 # ---------------------------------------------------------------------------- streaming evaluation
 
 
-@jax.jit
-def evaluate_batch(logits, masks, weights=None) -> dict:
+def _foreground_pairs(pred_labels, target_labels, num_classes: int):
+    """``[(pred == c, target == c)]`` for the foreground classes ``c = 1..C-1``."""
+    return [(pred_labels == c, target_labels == c) for c in range(1, num_classes)]
+
+
+@functools.partial(jax.jit, static_argnames=("loss",))
+def evaluate_batch(logits, masks, weights=None, loss: str = "ce_dice") -> dict:
     """Additive SUMS over the real images of one test batch (see the module docstring).
 
     Args:
-      logits: ``[B, H, W]``; masks: ``[B, H, W]`` in {0, 1}; weights: ``[B]`` (1 real, 0 padding) or None.
+      logits: ``[B, H, W]`` (one binary logit) or ``[B, H, W, C]``; masks: ``[B, H, W]`` labels;
+        weights: ``[B]`` (1 real, 0 padding) or None; loss: a :data:`LOSSES` name.
     Returns:
-      dict of scalars: ``dice``, ``iou``, ``hd95``, ``pixel_accuracy`` (sums of the per-image
-      metrics of ``logits > 0``), ``loss`` (sum of per-image BCE + soft Dice, so
-      ``loss / count`` is :func:`bce_dice_loss` over the set), ``authors_hd95`` (sum of
-      per-image :func:`authors_hd95`), ``count`` (number of real images); and the authors'
-      pooled pieces ``authors_inter``, ``authors_card``, ``authors_target`` (each ``[2]``).
-      Add these dicts over batches and pass the total to :func:`summarize`.
+      dict of scalars: ``dice``, ``iou``, ``hd95`` (sums over images of the per-image metric of the
+      hard prediction, averaged over the foreground classes ``1..C-1``; binary: the foreground),
+      ``pixel_accuracy``, ``loss`` (the batch's ``loss`` times its real images, so ``loss / count``
+      is the loss over the set for per-image losses such as ``ce_dice``, and the image-weighted mean of
+      the batches' values for the batch-pooled ``dice_focal``), ``authors_hd95`` (sum of per-image
+      :func:`authors_hd95`), ``count`` (number of real images); with ``C > 2`` classes also
+      ``dice_class1`` .. ``dice_class{C-1}``; and the authors' pooled pieces ``authors_inter``,
+      ``authors_card``, ``authors_target`` (each ``[C]``). Add these dicts over batches and pass
+      the total to :func:`summarize`.
     """
     w = _weights_or_ones(weights, logits.shape[0])
-    pred, target = logits > 0, jnp.asarray(masks).astype(bool)
+    num_classes = class_logits(logits[:1], masks[:1]).shape[-1]
+    pred, target = hard_labels(logits, masks), jnp.asarray(masks, jnp.int32)
+    pairs = _foreground_pairs(pred, target, num_classes)
     wsum = lambda v: jnp.sum(v * w)
+    per_class = lambda metric: jnp.stack([metric(p, t) for p, t in pairs], axis=1)  # [B, C-1]
+    dice_c = per_class(dice)
     inter, card, tsum = authors_pooled_stats(logits, masks, w)
-    return {
-        "dice": wsum(dice(pred, target)),
-        "iou": wsum(iou(pred, target)),
-        "hd95": wsum(hausdorff95(pred, target)),
+    out = {
+        "dice": wsum(jnp.mean(dice_c, axis=1)),
+        "iou": wsum(jnp.mean(per_class(iou), axis=1)),
+        "hd95": wsum(jnp.mean(per_class(hausdorff95), axis=1)),
         "pixel_accuracy": wsum(pixel_accuracy(pred, target)),
-        "loss": wsum(_per_image_bce_dice(logits, masks, 1.0)),
+        "loss": loss_fn(loss)(logits, masks, w) * jnp.sum(w),
         "authors_hd95": wsum(authors_hd95(logits, masks)),
         "count": jnp.sum(w),
         "authors_inter": inter,
         "authors_card": card,
         "authors_target": tsum,
     }
+    if num_classes > 2:
+        out.update({f"dice_class{c}": wsum(dice_c[:, c - 1]) for c in range(1, num_classes)})
+    return out
 
 
 @jax.jit
@@ -400,13 +543,13 @@ def summarize(sums: dict) -> dict:
     """Final metrics from the (batch-summed) output of :func:`evaluate_batch`.
 
     Returns the means over images of ``dice``, ``iou``, ``hd95``, ``pixel_accuracy``,
-    ``loss``, ``authors_hd95`` (0 when ``count`` is 0), plus ``authors_dice`` and
-    ``authors_iou`` pooled over the whole set, and ``count``.
+    ``loss``, ``authors_hd95`` and any ``dice_class*`` (0 when ``count`` is 0), plus
+    ``authors_dice`` and ``authors_iou`` pooled over the whole set, and ``count``.
     """
     count = sums["count"]
     safe = jnp.where(count > 0, count, 1.0)
-    keys = ("dice", "iou", "hd95", "pixel_accuracy", "loss", "authors_hd95")
-    out = {k: jnp.where(count > 0, sums[k] / safe, 0.0) for k in keys}
+    pooled = ("count", "authors_inter", "authors_card", "authors_target")
+    out = {k: jnp.where(count > 0, v / safe, 0.0) for k, v in sums.items() if k not in pooled}
     out["authors_dice"], out["authors_iou"] = _authors_scores(
         sums["authors_inter"], sums["authors_card"], sums["authors_target"])
     out["count"] = count
