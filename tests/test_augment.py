@@ -82,6 +82,35 @@ def test_augmented_algorithm_trains_on_augmented_batches(small_fed, tiny_model, 
     chex.assert_trees_all_close(again.state.server["params"], p_plain, rtol=1e-5, atol=1e-6)
 
 
+def test_augmented_final_pass_reads_augmented_data(small_fed, tiny_model, tiny_params):
+    """The final pass (offline Fisher, reported losses) sees the client's data augmented once per round."""
+    plain = bf.algorithms.fedavg(tiny_model, lr=0.1, batch_size=16)
+
+    def final(local, ctx):  # a spy: fedavg's final pass plus the inputs it was given
+        message, persistent, metrics = plain.client_final(local, ctx)
+        return message, persistent, {**metrics, "x_seen": ctx.data.x, "y_seen": ctx.data.y}
+
+    spy = plain.replace(client_final=final)
+    shift = lambda x, key: x + jax.random.normal(key, x.shape)  # noqa: E731 (an augmentation that moves every input)
+    aug = bf.data.augmented(spy, shift)
+    data = ClientData(jnp.asarray(small_fed.x[0]), jnp.asarray(small_fed.y[0]), jnp.int32(16))
+    ctx = ClientContext({"params": tiny_params}, (), data, {"lr": jnp.float32(0.1)})
+    key, step_key = jax.random.PRNGKey(7), jax.random.PRNGKey(8)
+    local = aug.client_init(ctx, key)
+    chex.assert_trees_all_equal(local[0], spy.client_init(ctx, key))  # the inner algorithm's keys are unchanged
+    batch = Batch(data.x[:16], data.y[:16], jnp.ones(16))
+    local = aug.client_step(local, batch, ctx, step_key)
+    k_augment, k_step = jax.random.split(step_key)
+    chex.assert_trees_all_equal(local[0], spy.client_step(spy.client_init(ctx, key), batch._replace(
+        x=shift(batch.x, k_augment)), ctx, k_step))
+    message, _, metrics = jax.jit(aug.client_final)(local, ctx)
+    expected = shift(data.x, jax.random.fold_in(key, bf.data.augment._FINAL_KEY_SALT))
+    chex.assert_trees_all_close(metrics["x_seen"], expected, rtol=1e-6)
+    assert float(jnp.abs(metrics["x_seen"] - data.x).min()) > 0  # not the raw data
+    chex.assert_trees_all_equal(metrics["y_seen"], data.y)
+    chex.assert_trees_all_equal(message, spy.client_final(local[0], ctx)[0])  # fedavg's message reads no data
+
+
 def test_augmented_round_vmap_matches_sequential(small_fed, tiny_model, tiny_params):
     from bfedjax.core import RoundConfig, init_state, make_round_step
     from bfedjax.core.simulate import round_arrays, traced_hparams

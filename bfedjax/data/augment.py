@@ -9,11 +9,13 @@ image padded by ``padding`` pixels on every side (a shift of up to ``padding``
 pixels; the fill is 0 by default, the mean pixel of standardised inputs), then the same flip.
 ``autoaugment_cutout`` (:mod:`bfedjax.data.autoaugment`) is FOLA's Table I on 8-bit RGB levels.
 ``augmented(algorithm, fn)`` makes any algorithm augment each local batch with
-a key split from that step's key, so augmentation works for every client type
-(SGD, variational, FedReg) without touching its training step.
+a key split from that step's key, and the data its final pass reads (offline Fisher
+passes, reported losses), so augmentation works for every client type (SGD,
+variational, FedReg) without touching its training step.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable
 
@@ -123,12 +125,33 @@ def augmentation(name: str, input_shape: tuple[int, ...], pixel_norm=None) -> Au
     return functools.partial(fn, pixel_norm=pixel_norm)
 
 
+_FINAL_KEY_SALT = 0x61756766  # folds a client's round key into the key of its final pass's augmentation
+
+
 def augmented(algorithm: Algorithm, augment: AugmentFn) -> Algorithm:
-    """``algorithm`` whose every local step first augments ``batch.x`` (padded rows stay masked)."""
-    inner_step = algorithm.client_step
+    """``algorithm`` whose every local step first augments ``batch.x`` (padded rows stay masked), and whose
+    ``client_final`` sees the client's data augmented once (one fresh draw per round).
+
+    The final pass is where offline curvature is measured (FOLA's ``fisher="offline"``, FedCurv's
+    Fisher) or a training loss reported; it reads ``ctx.data``, so it gets augmented data, as the
+    authors' data loaders, which augment every pass, give it. Its key is folded from the client's
+    ``client_init`` key, carried in the local state as ``(inner_local, key)``; the inner algorithm's
+    keys are unchanged. An inner ``client_final`` that does not read ``ctx.data.x`` leaves the
+    augmentation unused, and ``jax.jit`` drops it.
+    """
+    inner_init, inner_step, inner_final = algorithm.client_init, algorithm.client_step, algorithm.client_final
+
+    def client_init(ctx, key):
+        return inner_init(ctx, key), jax.random.fold_in(key, _FINAL_KEY_SALT)
 
     def client_step(local, batch, ctx, key):
+        inner, final_key = local
         k_augment, k_step = jax.random.split(key)
-        return inner_step(local, batch._replace(x=augment(batch.x, k_augment)), ctx, k_step)
+        return inner_step(inner, batch._replace(x=augment(batch.x, k_augment)), ctx, k_step), final_key
 
-    return algorithm.replace(client_step=client_step)
+    def client_final(local, ctx):
+        inner, final_key = local
+        data = ctx.data._replace(x=augment(ctx.data.x, final_key))
+        return inner_final(inner, dataclasses.replace(ctx, data=data))
+
+    return algorithm.replace(client_init=client_init, client_step=client_step, client_final=client_final)
