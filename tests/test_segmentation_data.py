@@ -586,3 +586,16 @@ def test_fets_flagfile_and_the_institutions_partition(fets_root):
             institution_parts(vessels(4, 2, size=16))
     finally:
         FLAGS.unparse_flags()
+
+
+def test_standardisation_statistics_in_chunks_equal_numpys(monkeypatch):
+    from bfedjax.data import segmentation as seg
+    rng = np.random.default_rng(5)
+    images, volumes = (rng.normal(2.0, 3.0, size=shape).astype(np.float32) for shape in ((9, 4, 5, 3), (5, 3, 4, 6, 1)))
+    monkeypatch.setattr(seg, "_STATS_CHUNK_ELEMENTS", 37)  # a few rows a chunk, the last one short
+    for x, per_channel, axes in ((images, True, (0, 1, 2)), (volumes, False, None)):
+        mean, std = seg._mean_std(x, per_channel)
+        np.testing.assert_allclose(mean, x.mean(axis=axes, dtype=np.float64), rtol=1e-6)
+        np.testing.assert_allclose(std, x.std(axis=axes, dtype=np.float64), rtol=1e-6)
+        assert mean.dtype == std.dtype == np.float32 and std.shape == ((3,) if per_channel else ())
+    assert seg._mean_std(np.ones((4, 2, 2), np.float32), False)[1] == np.float32(1e-12)  # a constant set: the floor

@@ -52,6 +52,22 @@ _DRIVE_FIX = ("fix: pass --data_dir=DIR holding DRIVE's training/ and test/ fold
 # --------------------------------------------------------------------------
 
 
+_STATS_CHUNK_ELEMENTS = 2 ** 24  # rows of at most this many values are promoted to float64 at a time
+
+
+def _mean_std(x: np.ndarray, per_channel: bool) -> tuple[np.ndarray, np.ndarray]:
+    """float64 mean and standard deviation of float32 ``x [n, ...]`` (over everything, or per last-axis
+    channel), as float32; the std floored at 1e-12. Rows are promoted to float64 a chunk at a time, so no
+    float64 copy of the whole set is made (300 FeTS volumes are 36 GB in float32)."""
+    axes = tuple(range(x.ndim - 1)) if per_channel else None
+    mean = x.mean(axis=axes, dtype=np.float64)
+    rows = max(1, _STATS_CHUNK_ELEMENTS // max(1, x[:1].size))
+    squares = sum(np.sum(np.square(x[i:i + rows].astype(np.float64) - mean), axis=axes)
+                  for i in range(0, len(x), rows))
+    std = np.sqrt(squares / (x.size // (x.shape[-1] if per_channel else 1)))
+    return np.asarray(mean, np.float32), np.asarray(np.maximum(std, 1e-12), np.float32)
+
+
 def _pack(name: str, x_train, y_train, x_test, y_test, source: str, pixels: str, client_ids=None,
           num_classes: int = 2) -> Dataset:
     """Images ``[n, H, W]`` or ``[n, H, W, C]`` (or volumes ``[n, D, H, W, 1]``) in [0, 1] and masks ``[n, H, W]``
@@ -67,9 +83,7 @@ def _pack(name: str, x_train, y_train, x_test, y_test, source: str, pixels: str,
         raise ValueError(f"pixels={pixels!r}; choose one of {PIXELS}")
     x_train, x_test = (np.asarray(x, np.float32) for x in (x_train, x_test))
     if pixels == "standardised":
-        axes = tuple(range(x_train.ndim - 1)) if x_train.ndim == 4 else None  # per channel, else one scalar
-        mean = np.asarray(x_train.mean(axis=axes, dtype=np.float64), np.float32)
-        std = np.asarray(np.maximum(x_train.std(axis=axes, dtype=np.float64), 1e-12), np.float32)
+        mean, std = _mean_std(x_train, per_channel=x_train.ndim == 4)  # per channel, else one scalar
         x_train, x_test = ((x - mean) / std for x in (x_train, x_test))
     if x_train.ndim == 3:
         x_train, x_test = x_train[..., None], x_test[..., None]
