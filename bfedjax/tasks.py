@@ -104,7 +104,8 @@ def _segmentation_batch(x, eval_batch_size: int) -> int:
     return max(1, min(eval_batch_size, SEGMENTATION_EVAL_VOXELS // max(voxels, 1)))
 
 
-def segmentation(model, *, loss: str = "ce_dice", eval_batch_size: int = SEGMENTATION_EVAL_BATCH_SIZE) -> Task:
+def segmentation(model, *, loss: str = "ce_dice", regions: tuple = (),
+                 eval_batch_size: int = SEGMENTATION_EVAL_BATCH_SIZE) -> Task:
     """Segmentation of images ``[H, W]`` (or volumes ``[D, H, W]``, ``models.UNet3D``) into classes.
 
     The model gives one foreground logit per pixel, ``[B, H, W]``, for binary masks ``y [B, H, W]``
@@ -118,7 +119,9 @@ def segmentation(model, *, loss: str = "ce_dice", eval_batch_size: int = SEGMENT
     evaluate: over the test set, the mean per-image ``dice``, ``iou``, ``hd95`` (95th-percentile
       symmetric Hausdorff distance in pixels; each the mean over the foreground classes, with
       ``dice_class{c}`` per class when there are more than two), ``pixel_accuracy`` and ``loss`` of
-      the hard prediction (``logit > 0``, or the argmax), plus the FedRef authors' ``authors_dice``,
+      the hard prediction (``logit > 0``, or the argmax), ``dice_<name>`` for each of ``regions``
+      (``((name, classes), ...)``, unions of classes such as ``metrics.segmentation.FETS_REGIONS``,
+      BraTS's whole tumour, tumour core and enhancing tumour), plus the FedRef authors' ``authors_dice``,
       ``authors_iou`` (soft, batch-pooled, after a sigmoid and a softmax) and ``authors_hd95``
       (their row-wise distance, not a Hausdorff distance), computed the way their code does
       (``metrics.segmentation``).
@@ -138,7 +141,8 @@ def segmentation(model, *, loss: str = "ce_dice", eval_batch_size: int = SEGMENT
         xb, yb, mb = padded_batches(x, y, size)
         if mask is not None:
             mb = mb * padded_batches(jnp.zeros(y.shape[:1]), jnp.asarray(mask, jnp.float32), size)[1]
-        sums = map_real_batches(lambda b: seg.evaluate_batch(apply_fn(params, b[0]), b[1], b[2], loss=loss),
+        sums = map_real_batches(lambda b: seg.evaluate_batch(apply_fn(params, b[0]), b[1], b[2], loss=loss,
+                                                                regions=tuple(regions)),
                                 (xb, yb, mb), mb)
         scores = seg.summarize(jax.tree.map(lambda v: jnp.sum(v, axis=0), sums))
         return {name: value for name, value in scores.items() if name != "count"}

@@ -246,7 +246,8 @@ def make_task(dataset, model):
         takes = [name for name in bf.algorithms.ALGORITHMS if "task" in bf.algorithms.options_of(name)]
         raise app.UsageError(f"--algorithm={FLAGS.algorithm} trains classifiers only; fix: --algorithm="
                              f"{' or '.join(takes)} for --task=segmentation")
-    return bf.tasks.segmentation(model, loss=FLAGS.segmentation_loss)
+    regions = bf.metrics.segmentation.FETS_REGIONS if dataset.name.startswith("fets") and dataset.num_classes == 4 else ()
+    return bf.tasks.segmentation(model, loss=FLAGS.segmentation_loss, regions=regions)
 
 
 def parse_class_groups(text: str) -> list[list[int]]:

@@ -132,6 +132,13 @@ def test_volume_metrics_match_scipy_and_numpy(shape, seed, elements, monkeypatch
     np.testing.assert_allclose(sums["pixel_accuracy"], (p == g).mean(axis=(1, 2, 3)).sum(), rtol=1e-6)
 
 
+def _smp_tversky(p, t, a, smooth=1e-5, eps=1e-7):
+    """smp 0.5.0's soft_tversky_score pooled over everything: TP from the L1 difference, Dice at a = 1/2,
+    Jaccard at a = 1."""
+    tp = (p.sum() + t.sum() - np.abs(p - t).sum()) / 2
+    return (tp + smooth) / max(tp + a * (p.sum() - tp) + a * (t.sum() - tp) + smooth, eps)
+
+
 def _authors_dice_iou_numpy(logits, masks):
     """smp multiclass DiceLoss / JaccardLoss (smooth 1e-5, eps 1e-7) on softmax(sigmoid([0, z])), as 1 - loss."""
     z = np.asarray(logits, np.float64)
@@ -141,10 +148,7 @@ def _authors_dice_iou_numpy(logits, masks):
     losses_d, losses_j = [], []
     for c in range(2):
         t = (masks == c).astype(np.float64)
-        p = probs[:, c]
-        inter, card = (p * t).sum(), (p + t).sum()
-        d = (2 * inter + 1e-5) / max(card + 1e-5, 1e-7)
-        j = (inter + 1e-5) / max(card - inter + 1e-5, 1e-7)
+        d, j = (_smp_tversky(probs[:, c], t, a) for a in (0.5, 1.0))
         present = float(t.sum() > 0)
         losses_d.append((1 - d) * present)
         losses_j.append((1 - j) * present)
@@ -336,16 +340,15 @@ def _ce_dice_numpy(logits, labels):
 
 def _smp_dice_focal_numpy(logits, labels, alpha=0.1, gamma=4.5):
     """segmentation_models_pytorch 0.5.0's multiclass DiceLoss(from_logits, smooth 1e-5, eps 1e-7) and
-    FocalLoss(alpha, gamma, normalized=True), written from their documented rules in float64
-    (results/fedref_losses_check compares bfedjax with smp's own code)."""
+    FocalLoss(alpha, gamma, normalized=True), their steps in float64 (results/fedref_losses_check compares
+    bfedjax with smp's own classes)."""
     x = np.asarray(logits, np.float64)
     e = np.exp(x - x.max(-1, keepdims=True))
     p = e / e.sum(-1, keepdims=True)
     dice_losses, focal = [], 0.0
     for c in range(x.shape[-1]):
         t = (labels == c).astype(np.float64)
-        d = (2 * (p[..., c] * t).sum() + 1e-5) / max((p[..., c] + t).sum() + 1e-5, 1e-7)
-        dice_losses.append((1 - d) * float(t.sum() > 0))
+        dice_losses.append((1 - _smp_tversky(p[..., c], t, 0.5)) * float(t.sum() > 0))
         z = x[..., c]
         bce = np.maximum(z, 0) - z * t + np.log1p(np.exp(-np.abs(z)))
         term = (1 - np.exp(-bce)) ** gamma
@@ -377,3 +380,42 @@ def test_classes_losses_match_numpy_references_and_descend():
         assert float(fn(logits - 0.5 * g / float(jnp.abs(g).max()))) < float(fn(logits)), name
     with pytest.raises(ValueError, match="fix: one of ce_dice, focal, dice_focal"):
         S.loss_fn("bce")
+
+
+def test_classes_absent_from_an_image_follow_the_binary_conventions():
+    target = _label_maps(40)
+    pred = target.copy()
+    target[0][target[0] == 3], pred[0][pred[0] == 3] = 0, 0  # image 0: class 3 in neither -> Dice 1, HD95 0
+    pred[1][pred[1] == 2] = 0  # image 1: class 2 only in the target -> Dice 0, HD95 the diagonal
+    sums = S.evaluate_batch(_logits_of(pred), target, ONES)
+    per_image_dice = np.array([1.0, (1 + 0 + 1) / 3, 1.0, 1.0])
+    np.testing.assert_allclose(sums["dice"], per_image_dice.sum(), rtol=1e-6)
+    np.testing.assert_allclose(sums["dice_class2"], 3.0, rtol=1e-6)
+    np.testing.assert_allclose(sums["dice_class3"], 4.0, rtol=1e-6)
+    np.testing.assert_allclose(sums["hd95"], np.sqrt(2 * 16.0 ** 2) / 3, rtol=1e-6)
+    np.testing.assert_allclose(sums["iou"], per_image_dice.sum(), rtol=1e-6)
+
+
+def test_regions_score_unions_of_classes():
+    target = _label_maps(50)
+    pred = np.roll(target, 1, axis=1)
+    sums = S.evaluate_batch(_logits_of(pred), target, ONES, regions=S.FETS_REGIONS)
+    for name, classes in S.FETS_REGIONS:
+        p, t = np.isin(pred, classes), np.isin(target, classes)
+        expected = 2 * (p & t).sum((1, 2)) / (p.sum((1, 2)) + t.sum((1, 2)))
+        np.testing.assert_allclose(sums[f"dice_{name}"], expected.sum(), rtol=1e-5, err_msg=name)
+    np.testing.assert_allclose(sums["dice_enhancing_tumour"], sums["dice_class3"], rtol=1e-6)
+    assert float(sums["dice_whole_tumour"]) > float(sums["dice_enhancing_tumour"])  # a larger mask, a smaller shift
+
+
+def test_authors_hd95_on_class_logits_of_volumes():
+    """Their torch layout [B, C, D, H, W]: PairwiseDistance along the last axis (W), then the max."""
+    rng = np.random.default_rng(60)
+    logits = rng.normal(scale=2.0, size=(2, 3, 4, 5, C)).astype(np.float32)  # [B, D, H, W, C], no two sizes equal
+    masks = rng.integers(0, C, size=(2, 3, 4, 5))
+    pred_map = 1 / (1 + np.exp(-np.moveaxis(logits.astype(np.float64), -1, 1)))  # [B, C, D, H, W]
+    onehot = np.moveaxis(np.eye(C)[masks], -1, 1)
+    expected = np.sqrt(np.square(pred_map - onehot + 1e-6).sum(axis=-1)).max(axis=(1, 2, 3))
+    np.testing.assert_allclose(S.authors_hd95(logits, masks), expected, rtol=1e-6)
+    wrong_axis = np.sqrt(np.square(pred_map - onehot + 1e-6).sum(axis=-2)).max(axis=(1, 2, 3))
+    assert not np.allclose(expected, wrong_axis, rtol=1e-3)

@@ -158,7 +158,6 @@ def test_segmentation_task_with_classes_trains_on_the_authors_loss():
     assert float(task.loss(step, Batch(x=x, y=y, mask=mask))) < float(loss)
     scores = task.evaluate(params, x, y)
     assert {"dice_class1", "dice_class2", "dice_class3"} <= set(scores) and "dice_class4" not in scores
-    np.testing.assert_allclose(np.mean([scores[f"dice_class{c}"] for c in (1, 2, 3)]), scores["dice"], rtol=1e-5)
     probs = task.predict(params, x, jax.random.PRNGKey(1), 1)
     assert probs.shape == (1, 3, 8, 8, 6, 4)
     np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)

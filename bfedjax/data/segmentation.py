@@ -310,16 +310,20 @@ def fets_config(name: str) -> tuple[tuple[int, int, int] | None, str]:
     """``"fets[/LABELS]"`` or ``"fets_volumes[/DxHxW][/LABELS]"`` -> ``(size or None, labels)``.
 
     ``LABELS`` is one of :data:`FETS_LABELS` (default ``whole_tumour``); the size, volumes only,
-    resizes every volume. A one-line ``ValueError`` naming the fix for anything else.
+    resizes every volume; the parts may come in either order. A one-line ``ValueError`` naming the fix for
+    anything else.
     """
     base, *tokens = name.strip().lower().split("/")
     size, labels = None, "whole_tumour"
     form = "fets_volumes[/DxHxW][/classes]" if base == "fets_volumes" else "fets[/classes]"
     for token in tokens:
+        is_size = base == "fets_volumes" and re.fullmatch(r"[1-9]\d*x[1-9]\d*x[1-9]\d*", token)
         if token in FETS_LABELS:
             labels = token
-        elif base == "fets_volumes" and re.fullmatch(r"[1-9]\d*x[1-9]\d*x[1-9]\d*", token) and size is None:
+        elif is_size and size is None:
             size = tuple(int(v) for v in token.split("x"))
+        elif is_size:
+            raise ValueError(f"{name!r}: a second volume size {token!r}; fix: one size, {form}")
         else:
             what = "neither a label scheme" if base == "fets_volumes" else "not a label scheme"
             raise ValueError(f"{name!r}: {token!r} is {what} ({', '.join(FETS_LABELS)})"
@@ -336,8 +340,8 @@ def _fets_labels(seg: np.ndarray, labels: str, subject: str) -> np.ndarray:
     values = np.unique(seg)
     unknown = sorted(set(values.tolist()) - set(FETS_CLASS_VALUES))
     if unknown:
-        raise DataUnavailableError(f"fets: {subject}'s seg holds label values {unknown[:5]} outside FeTS's "
-                                   f"{FETS_CLASS_VALUES}; fix: labels='whole_tumour' (seg > 0), or a FeTS seg file")
+        raise ValueError(f"fets: {subject}'s seg holds label values {unknown[:5]} outside FeTS's {FETS_CLASS_VALUES}; "
+                         "fix: --fets_labels=whole_tumour (labels='whole_tumour': seg > 0), or a FeTS seg file")
     lookup = np.zeros(max(FETS_CLASS_VALUES) + 1, np.int32)
     lookup[list(FETS_CLASS_VALUES)] = np.arange(len(FETS_CLASS_VALUES))
     return lookup[seg.astype(np.int64)]
@@ -486,9 +490,8 @@ def load_fets(data_dir: str | None, size: int = 64, slices_per_subject: int = 8,
 
     Raises:
       DataUnavailableError: no ``data_dir``, no ``partitioning_1.csv``, a partition with no subject folder,
-        a missing or unreadable FLAIR / seg file, seg values other than 0, 1, 2, 4 (``"classes"``), or nibabel
-        not installed (one line naming the fix).
-      ValueError: bad arguments, or no test subject at all.
+        a missing or unreadable FLAIR / seg file, or nibabel not installed (one line naming the fix).
+      ValueError: bad arguments, no test subject at all, or seg values other than 0, 1, 2, 4 (``"classes"``).
     """
     if pixels not in PIXELS:
         raise ValueError(f"pixels={pixels!r}; choose one of {PIXELS}")

@@ -294,15 +294,18 @@ def authors_pooled_stats(logits, masks, weights=None):
 
 
 def _smp_scores(inter, card, target):
-    """smp's multiclass Dice and Jaccard LOSSES from the pooled pieces ``[C]``.
+    """smp 0.5.0's multiclass Dice and Jaccard LOSSES from the pooled pieces ``[C]``.
 
-    Per class: ``dice_c = (2 I + s) / max(card + s, eps)``, ``jacc_c = (I + s) / max(card - I + s, eps)``;
-    ``loss_c = 1 - score_c``, zeroed for classes absent from the targets; loss = mean over
-    ALL classes (absent ones count as 0). Returns ``(dice_loss, jaccard_loss)`` scalars.
+    smp 0.5.0 scores both as Tversky indices ``(I + s) / max(I + a FP + b FN + s, eps)``: Dice with
+    ``a = b = 1/2``, so per class ``dice_c = (I + s) / max(card / 2 + s, eps)`` (the smoothing counts
+    twice against ``(2 I + s) / (card + s)``), and Jaccard with ``a = b = 1``,
+    ``jacc_c = (I + s) / max(card - I + s, eps)``; ``loss_c = 1 - score_c``, zeroed for classes absent
+    from the targets; loss = mean over ALL classes (absent ones count as 0). Returns
+    ``(dice_loss, jaccard_loss)`` scalars.
     """
     present = (target > 0).astype(jnp.float32)
     s, eps = AUTHORS_SMOOTH, AUTHORS_EPS
-    dice_c = (2.0 * inter + s) / jnp.maximum(card + s, eps)
+    dice_c = (inter + s) / jnp.maximum(0.5 * card + s, eps)
     jacc_c = (inter + s) / jnp.maximum(card - inter + s, eps)
     loss = lambda c: jnp.mean((1.0 - c) * present)
     return loss(dice_c), loss(jacc_c)
@@ -374,7 +377,8 @@ def _per_image_ce(logits, masks):
     if jnp.ndim(logits) == jnp.ndim(masks):
         ce = optax.sigmoid_binary_cross_entropy(jnp.asarray(logits, jnp.float32), jnp.asarray(masks, jnp.float32))
     else:
-        ce = optax.softmax_cross_entropy_with_integer_labels(class_logits(logits, masks), jnp.asarray(masks, jnp.int32))
+        z = class_logits(logits, masks)  # a one-hot product: the integer-label form's gradient is a scatter, which
+        ce = -jnp.sum(jax.nn.log_softmax(z, axis=-1) * _onehot(masks, z.shape[-1]), axis=-1)  # XLA folds slowly
     return jnp.mean(ce, axis=_spatial(ce))
 
 
@@ -422,7 +426,7 @@ def authors_dice_loss(logits, masks, weights=None):
     """segmentation_models_pytorch's ``DiceLoss(mode="multiclass", from_logits=True, smooth=1e-5, eps=1e-7)``.
 
     ``p = softmax(class logits)`` (no sigmoid first: in training the authors' U-Nets output raw
-    logits); per class ``1 - (2 sum p t + 1e-5) / max(sum (p + t) + 1e-5, 1e-7)``, summed over the
+    logits); per class ``1 - (sum p t + 1e-5) / max(sum (p + t) / 2 + 1e-5, 1e-7)``, summed over the
     real images AND pixels jointly (batch-pooled), zero for classes absent from the batch's masks,
     then the mean over all ``C`` classes (:func:`_smp_scores`).
 
@@ -495,21 +499,28 @@ def _foreground_pairs(pred_labels, target_labels, num_classes: int):
     return [(pred_labels == c, target_labels == c) for c in range(1, num_classes)]
 
 
-@functools.partial(jax.jit, static_argnames=("loss",))
-def evaluate_batch(logits, masks, weights=None, loss: str = "ce_dice") -> dict:
+# BraTS / FeTS's evaluated regions in the FedRef authors' classes (FeTS's labels 1, 2, 4 as 1, 2, 3).
+FETS_REGIONS = (("whole_tumour", (1, 2, 3)), ("tumour_core", (1, 3)), ("enhancing_tumour", (3,)))
+
+
+@functools.partial(jax.jit, static_argnames=("loss", "regions"))
+def evaluate_batch(logits, masks, weights=None, loss: str = "ce_dice", regions: tuple = ()) -> dict:
     """Additive SUMS over the real images of one test batch (see the module docstring).
 
     Args:
       logits: ``[B, H, W]`` (one binary logit) or ``[B, H, W, C]``; masks: ``[B, H, W]`` labels;
-        weights: ``[B]`` (1 real, 0 padding) or None; loss: a :data:`LOSSES` name.
+        weights: ``[B]`` (1 real, 0 padding) or None; loss: a :data:`LOSSES` name; regions: ``((name,
+        classes), ...)``, unions of classes scored as one mask each (:data:`FETS_REGIONS`: BraTS's whole
+        tumour, tumour core and enhancing tumour).
     Returns:
       dict of scalars: ``dice``, ``iou``, ``hd95`` (sums over images of the per-image metric of the
       hard prediction, averaged over the foreground classes ``1..C-1``; binary: the foreground),
       ``pixel_accuracy``, ``loss`` (the batch's ``loss`` times its real images, so ``loss / count``
       is the loss over the set for per-image losses such as ``ce_dice``, and the image-weighted mean of
-      the batches' values for the batch-pooled ``dice_focal``), ``authors_hd95`` (sum of per-image
-      :func:`authors_hd95`), ``count`` (number of real images); with ``C > 2`` classes also
-      ``dice_class1`` .. ``dice_class{C-1}``; and the authors' pooled pieces ``authors_inter``,
+      the batches' values for the batch-pooled ``focal`` and ``dice_focal``), ``authors_hd95`` (sum of
+      per-image :func:`authors_hd95`), ``count`` (number of real images); with ``C > 2`` classes also
+      ``dice_class1`` .. ``dice_class{C-1}``; ``dice_<name>`` per region (the Dice of the masks
+      "label in classes"); and the authors' pooled pieces ``authors_inter``,
       ``authors_card``, ``authors_target`` (each ``[C]``). Add these dicts over batches and pass
       the total to :func:`summarize`.
     """
@@ -535,6 +546,9 @@ def evaluate_batch(logits, masks, weights=None, loss: str = "ce_dice") -> dict:
     }
     if num_classes > 2:
         out.update({f"dice_class{c}": wsum(dice_c[:, c - 1]) for c in range(1, num_classes)})
+    for name, classes in regions:
+        inside = lambda labels: jnp.isin(labels, jnp.asarray(classes))  # noqa: E731
+        out[f"dice_{name}"] = wsum(dice(inside(pred), inside(target)))
     return out
 
 
