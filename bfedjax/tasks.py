@@ -119,7 +119,7 @@ def segmentation(model, *, loss: str = "ce_dice", regions: tuple = (),
     evaluate: over the test set, the mean per-image ``dice``, ``iou``, ``hd95`` (95th-percentile
       symmetric Hausdorff distance in pixels; each the mean over the foreground classes, with
       ``dice_class{c}`` per class when there are more than two), ``pixel_accuracy`` and ``loss`` of
-      the hard prediction (``logit > 0``, or the argmax), ``dice_<name>`` for each of ``regions``
+      the hard prediction (``logit > 0``, or the argmax), ``dice_<name>`` and ``hd95_<name>`` for each of ``regions``
       (``((name, classes), ...)``, unions of classes such as ``metrics.segmentation.FETS_REGIONS``,
       BraTS's whole tumour, tumour core and enhancing tumour), plus the FedRef authors' ``authors_dice``,
       ``authors_iou`` (soft, batch-pooled, after a sigmoid and a softmax) and ``authors_hd95``

@@ -516,6 +516,8 @@ def test_fets_volumes_through_load_and_the_binary(tmp_path):
     for key in ("dice_class1", "dice_class2", "dice_class3", "dice_whole_tumour", "dice_tumour_core",
                 "dice_enhancing_tumour"):
         assert 0 <= final[key] <= 1, key
+    for region in ("whole_tumour", "tumour_core", "enhancing_tumour"):
+        assert final[f"hd95_{region}"] >= 0, region
     wrong = subprocess.run([sys.executable, "-m", "experiments.run", "--dataset=fets_volumes", f"--data_dir={root}",
                             "--volume_size=8,16,16", "--task=segmentation", "--model=unet", "--partition=institutions",
                             "--num_clients=10", "--rounds=1"], cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -404,6 +404,8 @@ def test_regions_score_unions_of_classes():
         p, t = np.isin(pred, classes), np.isin(target, classes)
         expected = 2 * (p & t).sum((1, 2)) / (p.sum((1, 2)) + t.sum((1, 2)))
         np.testing.assert_allclose(sums[f"dice_{name}"], expected.sum(), rtol=1e-5, err_msg=name)
+        hd = sum(_hd95_reference(a, b) for a, b in zip(p, t))
+        np.testing.assert_allclose(sums[f"hd95_{name}"], hd, rtol=1e-5, err_msg=name)
     np.testing.assert_allclose(sums["dice_enhancing_tumour"], sums["dice_class3"], rtol=1e-6)
     assert float(sums["dice_whole_tumour"]) > float(sums["dice_enhancing_tumour"])  # a larger mask, a smaller shift
 

@@ -519,8 +519,8 @@ def evaluate_batch(logits, masks, weights=None, loss: str = "ce_dice", regions: 
       is the loss over the set for per-image losses such as ``ce_dice``, and the image-weighted mean of
       the batches' values for the batch-pooled ``focal`` and ``dice_focal``), ``authors_hd95`` (sum of
       per-image :func:`authors_hd95`), ``count`` (number of real images); with ``C > 2`` classes also
-      ``dice_class1`` .. ``dice_class{C-1}``; ``dice_<name>`` per region (the Dice of the masks
-      "label in classes"); and the authors' pooled pieces ``authors_inter``,
+      ``dice_class1`` .. ``dice_class{C-1}``; ``dice_<name>`` and ``hd95_<name>`` per region (of the
+      masks "label in classes"); and the authors' pooled pieces ``authors_inter``,
       ``authors_card``, ``authors_target`` (each ``[C]``). Add these dicts over batches and pass
       the total to :func:`summarize`.
     """
@@ -549,6 +549,7 @@ def evaluate_batch(logits, masks, weights=None, loss: str = "ce_dice", regions: 
     for name, classes in regions:
         inside = lambda labels: jnp.isin(labels, jnp.asarray(classes))  # noqa: E731
         out[f"dice_{name}"] = wsum(dice(inside(pred), inside(target)))
+        out[f"hd95_{name}"] = wsum(hausdorff95(inside(pred), inside(target)))
     return out
 
 
