@@ -132,6 +132,7 @@ def segmentation(model, *, loss: str = "ce_dice", regions: tuple = (),
     from bfedjax.metrics import segmentation as seg
     apply_fn = apply_fn_of(model)
     loss_fn = seg.loss_fn(loss)
+    regions = tuple((str(name), tuple(int(c) for c in classes)) for name, classes in regions)  # hashable: jit-static
 
     def train_loss(params, batch):
         return loss_fn(apply_fn(params, batch.x), batch.y, batch.mask)
@@ -142,7 +143,7 @@ def segmentation(model, *, loss: str = "ce_dice", regions: tuple = (),
         if mask is not None:
             mb = mb * padded_batches(jnp.zeros(y.shape[:1]), jnp.asarray(mask, jnp.float32), size)[1]
         sums = map_real_batches(lambda b: seg.evaluate_batch(apply_fn(params, b[0]), b[1], b[2], loss=loss,
-                                                                regions=tuple(regions)),
+                                                                regions=regions),
                                 (xb, yb, mb), mb)
         scores = seg.summarize(jax.tree.map(lambda v: jnp.sum(v, axis=0), sums))
         return {name: value for name, value in scores.items() if name != "count"}

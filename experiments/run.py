@@ -569,6 +569,9 @@ def setup(argv: Sequence[str] = ("run",)) -> Experiment:
     for local in architectures.get("local_models", ()):
         check_model_fits(local, dataset, task, f"--client_architectures={FLAGS.client_architectures}")
     algorithm = algorithm_flags.build(FLAGS, model, fed, {**setting, **architectures})
+    if task is not None and FLAGS.augment != "none":
+        raise app.UsageError(f"--augment={FLAGS.augment} moves the images but not their masks; fix: --augment=none "
+                             "for --task=segmentation")
     augment = bf.data.augmentation(FLAGS.augment, dataset.input_shape, dataset.pixel_norm)
     if augment is not None:
         algorithm = bf.data.augmented(algorithm, augment)

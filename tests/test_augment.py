@@ -97,18 +97,23 @@ def test_augmented_final_pass_reads_augmented_data(small_fed, tiny_model, tiny_p
     ctx = ClientContext({"params": tiny_params}, (), data, {"lr": jnp.float32(0.1)})
     key, step_key = jax.random.PRNGKey(7), jax.random.PRNGKey(8)
     local = aug.client_init(ctx, key)
-    chex.assert_trees_all_equal(local[0], spy.client_init(ctx, key))  # the inner algorithm's keys are unchanged
+    chex.assert_trees_all_equal(local.inner, spy.client_init(ctx, key))  # the inner algorithm's keys are unchanged
     batch = Batch(data.x[:16], data.y[:16], jnp.ones(16))
     local = aug.client_step(local, batch, ctx, step_key)
     k_augment, k_step = jax.random.split(step_key)
-    chex.assert_trees_all_equal(local[0], spy.client_step(spy.client_init(ctx, key), batch._replace(
+    chex.assert_trees_all_equal(local.inner, spy.client_step(spy.client_init(ctx, key), batch._replace(
         x=shift(batch.x, k_augment)), ctx, k_step))
+    chex.assert_trees_all_equal(local.params, local.inner.params)  # reads go through to the inner state
     message, _, metrics = jax.jit(aug.client_final)(local, ctx)
-    expected = shift(data.x, jax.random.fold_in(key, bf.data.augment._FINAL_KEY_SALT))
+    # one draw per batch of 16 rows, from keys split off the init key's fold
+    n = data.x.shape[0]  # 138 rows: 9 batches, the last padded from 10 rows to 16
+    keys = jax.random.split(jax.random.fold_in(key, bf.data.augment._FINAL_KEY_SALT), -(-n // 16))
+    padded = jnp.pad(data.x, [(0, 16 * len(keys) - n)] + [(0, 0)] * (data.x.ndim - 1))
+    expected = jnp.concatenate([shift(padded[16 * i:16 * (i + 1)], k) for i, k in enumerate(keys)])[:n]
     chex.assert_trees_all_close(metrics["x_seen"], expected, rtol=1e-6)
     assert float(jnp.abs(metrics["x_seen"] - data.x).min()) > 0  # not the raw data
     chex.assert_trees_all_equal(metrics["y_seen"], data.y)
-    chex.assert_trees_all_equal(message, spy.client_final(local[0], ctx)[0])  # fedavg's message reads no data
+    chex.assert_trees_all_equal(message, spy.client_final(local.inner, ctx)[0])  # fedavg's message reads no data
 
 
 def test_augmented_round_vmap_matches_sequential(small_fed, tiny_model, tiny_params):
@@ -136,3 +141,17 @@ def test_weight_decay_adds_l2_on_kernels_only(small_fed, tiny_model, tiny_params
     chex.assert_trees_all_close(stepped[1], expected, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="weight_decay"):
         make_sgd_client(tiny_model, weight_decay=-1.0)
+
+
+def test_fedref_reads_the_inner_local_state_through_augmented(small_fed, tiny_model, tiny_params):
+    """``with_reference_model(augmented(...), loss_report="last_batch")`` reads ``local.loss`` of the inner state."""
+    from bfedjax.algorithms.fedref import with_reference_model
+    base = bf.algorithms.fedavg(tiny_model, lr=0.1, batch_size=16)
+    loss_fn = bf.tasks.classification(tiny_model).loss
+    for algo in (with_reference_model(bf.data.augmented(base, bf.data.random_shift_flip), loss_fn=loss_fn,
+                                      loss_report="last_batch"),
+                 bf.data.augmented(with_reference_model(base, loss_fn=loss_fn, loss_report="last_batch"),
+                                   bf.data.random_shift_flip)):
+        out = bf.core.simulate(algo, small_fed, rounds=1, key=jax.random.PRNGKey(0), init_params=tiny_params,
+                               evaluate_local=False)
+        assert out.metrics["round"] == [1]

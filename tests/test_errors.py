@@ -88,6 +88,8 @@ def _one_error_line(result, needle: str) -> str:
     ("--volume_size=8,8,8", "fix: drop --volume_size"),
     ("--dataset=fets_volumes --volume_size=8,8", "--volume_size=48,64,64"),
     ("--fets_labels=classes", "fix: drop --fets_labels"),
+    ("--dataset=vessels --task=segmentation --model=unet --algorithm=fedref --partition=nested --augment=crop_flip",
+     "fix: --augment=none"),
     ("--segmentation_loss=dice", "--segmentation_loss"),
     ("--dataset=vessels --task=segmentation --model=unet --algorithm=fola",
      "fix: --algorithm=fedavg or fedprox or fedref"),

@@ -597,7 +597,7 @@ def test_standardisation_statistics_in_chunks_equal_numpys(monkeypatch):
     from bfedjax.data import segmentation as seg
     rng = np.random.default_rng(5)
     images, volumes = (rng.normal(2.0, 3.0, size=shape).astype(np.float32) for shape in ((9, 4, 5, 3), (5, 3, 4, 6, 1)))
-    monkeypatch.setattr(seg, "_STATS_CHUNK_ELEMENTS", 37)  # a few rows a chunk, the last one short
+    monkeypatch.setattr(seg, "_STATS_CHUNK_ELEMENTS", 150)  # 2 rows a chunk: 9 rows as 2, 2, 2, 2, 1; 5 as 2, 2, 1
     for x, per_channel, axes in ((images, True, (0, 1, 2)), (volumes, False, None)):
         mean, std = seg._mean_std(x, per_channel)
         np.testing.assert_allclose(mean, x.mean(axis=axes, dtype=np.float64), rtol=1e-6)

@@ -397,6 +397,8 @@ def test_classes_absent_from_an_image_follow_the_binary_conventions():
 
 
 def test_regions_score_unions_of_classes():
+    # BraTS's regions in FeTS's labels 1, 2, 4 (mapped to 1, 2, 3): whole tumour 1+2+4, core 1+4, enhancing 4
+    assert S.FETS_REGIONS == (("whole_tumour", (1, 2, 3)), ("tumour_core", (1, 3)), ("enhancing_tumour", (3,)))
     target = _label_maps(50)
     pred = np.roll(target, 1, axis=1)
     sums = S.evaluate_batch(_logits_of(pred), target, ONES, regions=S.FETS_REGIONS)

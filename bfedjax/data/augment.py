@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -128,30 +128,60 @@ def augmentation(name: str, input_shape: tuple[int, ...], pixel_norm=None) -> Au
 _FINAL_KEY_SALT = 0x61756766  # folds a client's round key into the key of its final pass's augmentation
 
 
+class AugmentedLocal(NamedTuple):
+    """An augmented algorithm's local state: the inner algorithm's, and the key of its final pass's augmentation.
+
+    Attribute reads it does not have (``.params``, ``.loss``, ...) go to ``inner``, so wrappers that read the
+    inner algorithm's local state (e.g. FedRef's ``loss_report="last_batch"``) work on either side of
+    :func:`augmented`.
+    """
+
+    inner: Any
+    final_key: jax.Array
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def _augment_in_batches(augment: AugmentFn, x: jax.Array, key: jax.Array, batch_size: int) -> jax.Array:
+    """``augment`` over ``x [n, ...]`` a batch of ``batch_size`` rows at a time (``lax.map``), chunk ``i`` with
+    ``jax.random.split(key, chunks)[i]``: the temporaries of one batch, not of the whole set."""
+    n = x.shape[0]
+    size = max(1, min(batch_size, n))
+    chunks = -(-n // size)
+    padded = jnp.pad(x, [(0, chunks * size - n)] + [(0, 0)] * (x.ndim - 1))
+    out = jax.lax.map(lambda pair: augment(*pair),
+                      (padded.reshape((chunks, size) + x.shape[1:]), jax.random.split(key, chunks)))
+    return out.reshape((chunks * size,) + x.shape[1:])[:n]
+
+
 def augmented(algorithm: Algorithm, augment: AugmentFn) -> Algorithm:
     """``algorithm`` whose every local step first augments ``batch.x`` (padded rows stay masked), and whose
     ``client_final`` sees the client's data augmented once (one fresh draw per round).
 
-    The final pass is where offline curvature is measured (FOLA's ``fisher="offline"``, FedCurv's
-    Fisher) or a training loss reported; it reads ``ctx.data``, so it gets augmented data, as the
-    authors' data loaders, which augment every pass, give it. Its key is folded from the client's
-    ``client_init`` key, carried in the local state as ``(inner_local, key)``; the inner algorithm's
-    keys are unchanged. An inner ``client_final`` that does not read ``ctx.data.x`` leaves the
-    augmentation unused, and ``jax.jit`` drops it.
+    The final pass reads ``ctx.data``: offline curvature (FOLA's ``fisher="offline"``, FedCurv's
+    Fisher), SCAFFOLD option I's control variate, FedRef's client loss (which its server step uses)
+    and reported losses. It gets augmented data, as the authors' data loaders, which augment every
+    pass, give it, so these algorithms train differently under augmentation than before this was
+    added. The data are augmented ``algorithm.batch_size`` rows at a time
+    (:func:`_augment_in_batches`) with a key folded from the client's ``client_init`` key, carried in
+    the local state (:class:`AugmentedLocal`); the inner algorithm's keys are unchanged. An inner
+    ``client_final`` that does not read ``ctx.data.x`` leaves the augmentation unused, and
+    ``jax.jit`` drops it.
     """
     inner_init, inner_step, inner_final = algorithm.client_init, algorithm.client_step, algorithm.client_final
 
     def client_init(ctx, key):
-        return inner_init(ctx, key), jax.random.fold_in(key, _FINAL_KEY_SALT)
+        return AugmentedLocal(inner_init(ctx, key), jax.random.fold_in(key, _FINAL_KEY_SALT))
 
     def client_step(local, batch, ctx, key):
-        inner, final_key = local
         k_augment, k_step = jax.random.split(key)
-        return inner_step(inner, batch._replace(x=augment(batch.x, k_augment)), ctx, k_step), final_key
+        return local._replace(inner=inner_step(local.inner, batch._replace(x=augment(batch.x, k_augment)), ctx, k_step))
 
     def client_final(local, ctx):
-        inner, final_key = local
-        data = ctx.data._replace(x=augment(ctx.data.x, final_key))
-        return inner_final(inner, dataclasses.replace(ctx, data=data))
+        x = _augment_in_batches(augment, ctx.data.x, local.final_key, algorithm.batch_size)
+        return inner_final(local.inner, dataclasses.replace(ctx, data=ctx.data._replace(x=x)))
 
     return algorithm.replace(client_init=client_init, client_step=client_step, client_final=client_final)

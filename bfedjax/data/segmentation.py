@@ -52,13 +52,13 @@ _DRIVE_FIX = ("fix: pass --data_dir=DIR holding DRIVE's training/ and test/ fold
 # --------------------------------------------------------------------------
 
 
-_STATS_CHUNK_ELEMENTS = 2 ** 24  # rows of at most this many values are promoted to float64 at a time
+_STATS_CHUNK_ELEMENTS = 2 ** 24  # rows are promoted to float64 about this many values at a time (one row at least)
 
 
 def _mean_std(x: np.ndarray, per_channel: bool) -> tuple[np.ndarray, np.ndarray]:
     """float64 mean and standard deviation of float32 ``x [n, ...]`` (over everything, or per last-axis
     channel), as float32; the std floored at 1e-12. Rows are promoted to float64 a chunk at a time, so no
-    float64 copy of the whole set is made (300 FeTS volumes are 36 GB in float32)."""
+    float64 copy of the whole set is made (300 native FeTS volumes are about 11 GB in float32, 21 GB in float64)."""
     axes = tuple(range(x.ndim - 1)) if per_channel else None
     mean = x.mean(axis=axes, dtype=np.float64)
     rows = max(1, _STATS_CHUNK_ELEMENTS // max(1, x[:1].size))
@@ -314,12 +314,14 @@ def fets_config(name: str) -> tuple[tuple[int, int, int] | None, str]:
     anything else.
     """
     base, *tokens = name.strip().lower().split("/")
-    size, labels = None, "whole_tumour"
+    size, labels, labels_given = None, "whole_tumour", False
     form = "fets_volumes[/DxHxW][/classes]" if base == "fets_volumes" else "fets[/classes]"
     for token in tokens:
         is_size = base == "fets_volumes" and re.fullmatch(r"[1-9]\d*x[1-9]\d*x[1-9]\d*", token)
+        if token in FETS_LABELS and labels_given:
+            raise ValueError(f"{name!r}: a second label scheme {token!r}; fix: one of {', '.join(FETS_LABELS)}, {form}")
         if token in FETS_LABELS:
-            labels = token
+            labels, labels_given = token, True
         elif is_size and size is None:
             size = tuple(int(v) for v in token.split("x"))
         elif is_size:
