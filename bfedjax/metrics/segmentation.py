@@ -494,11 +494,6 @@ def loss_fn(name: str):
 # ---------------------------------------------------------------------------- streaming evaluation
 
 
-def _foreground_pairs(pred_labels, target_labels, num_classes: int):
-    """``[(pred == c, target == c)]`` for the foreground classes ``c = 1..C-1``."""
-    return [(pred_labels == c, target_labels == c) for c in range(1, num_classes)]
-
-
 # BraTS / FeTS's evaluated regions in the FedRef authors' classes (FeTS's labels 1, 2, 4 as 1, 2, 3).
 FETS_REGIONS = (("whole_tumour", (1, 2, 3)), ("tumour_core", (1, 3)), ("enhancing_tumour", (3,)))
 
@@ -525,9 +520,9 @@ def evaluate_batch(logits, masks, weights=None, loss: str = "ce_dice", regions: 
       the total to :func:`summarize`.
     """
     w = _weights_or_ones(weights, logits.shape[0])
-    num_classes = class_logits(logits[:1], masks[:1]).shape[-1]
+    num_classes = logits.shape[-1] if logits.ndim == jnp.ndim(masks) + 1 else 2  # one binary logit: 2 classes
     pred, target = hard_labels(logits, masks), jnp.asarray(masks, jnp.int32)
-    pairs = _foreground_pairs(pred, target, num_classes)
+    pairs = [(pred == c, target == c) for c in range(1, num_classes)]  # the foreground classes' masks
     wsum = lambda v: jnp.sum(v * w)
     per_class = lambda metric: jnp.stack([metric(p, t) for p, t in pairs], axis=1)  # [B, C-1]
     dice_c = per_class(dice)
