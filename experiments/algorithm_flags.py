@@ -277,6 +277,10 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> None:
                        "--robust_rule).", flag_values=flag_values)
     flags.DEFINE_float("robust_precision_cap", None, "--robust_rule=robust_product: cap each precision at this many "
                        "times the median one.", flag_values=flag_values)
+    flags.DEFINE_boolean("precision_cosine", False, "Report precision_cosine every round: the mean cosine similarity "
+                         "of pairs of the cohort's normalised precision matrices (FOLA Fig. 11a; a layer on fola and "
+                         "other methods sending 'precision'; the aggregation then keeps every message).",
+                         flag_values=flag_values)
     # HBFL, FML, ABAVG (HBFL spec section 3; the local models come from --client_architectures).
     number(flags.DEFINE_float, "likelihood_temperature", "hbfl: likelihood temperature T of the meme loss "
            "(default 1e-4).")
@@ -386,6 +390,8 @@ def build(flag_values: flags.FlagValues, model, fed, setting: dict | None = None
             algorithm = bf.algorithms.with_robust_aggregation(
                 algorithm, rule, trim=flag_values.robust_trim, byzantine_fraction=flag_values.robust_byzantine_fraction,
                 max_update_norm=flag_values.max_update_norm, precision_cap=flag_values.robust_precision_cap)
+        if flag_values.precision_cosine:  # outside the robust rule: it compares the precisions the clients sent
+            algorithm = bf.algorithms.with_precision_similarity(algorithm)
         if flag_values.server_optimizer != "none":
             tx = bf.algorithms.server_optimizer(flag_values.server_optimizer, flag_values.server_lr,
                                                 b1=flag_values.server_b1, b2=flag_values.server_b2,

@@ -70,9 +70,9 @@ def table(results: dict) -> str:
 
 
 def per_round_table(results: dict, metric: str = "global_accuracy", short: str = "GA") -> str:
-    """A markdown table of ``metric`` per round, one column ``<label> <short>`` per run."""
-    labels = list(results)
-    n = max(len(r["rounds"]) for r in results.values())
+    """A markdown table of ``metric`` per round, one column ``<label> <short>`` per run that reports it."""
+    labels = [label for label, res in results.items() if any(metric in r for r in res["rounds"])]
+    n = max(len(results[l]["rounds"]) for l in labels)
     lines = ["| round | " + " | ".join(f"{l} {short}" for l in labels) + " |", "|" + "---|" * (len(labels) + 1)]
     for i in range(n):
         cells = [f"{results[l]['rounds'][i][metric]:.4f}" if i < len(results[l]["rounds"]) else "" for l in labels]
@@ -95,6 +95,8 @@ def main(argv=None):
     parser.add_argument("--output_dir", default="out/compare")
     parser.add_argument("--results_file", default=None, help="Also write the tables as markdown here.")
     parser.add_argument("--title", default="Comparison")
+    parser.add_argument("--per_round_metrics", default="", help="Comma-separated metrics of metrics.jsonl (e.g. "
+                        "precision_cosine) to tabulate per round too, for the runs that report them.")
     args, extra = parser.parse_known_args(argv)
     if not os.path.exists(args.flagfile):
         raise app.UsageError(f"--flagfile {args.flagfile} does not exist; fix: pass one of experiments/configs/*.flags")
@@ -106,6 +108,11 @@ def main(argv=None):
     if all("local_accuracy" in r for res in results.values() for r in res["rounds"]):
         text += "\nLA per round (the local models before aggregation):\n\n" + per_round_table(
             results, "local_accuracy", "LA") + "\n"
+    for metric in filter(None, args.per_round_metrics.split(",")):
+        if not any(metric in r for res in results.values() for r in res["rounds"]):
+            raise app.UsageError(f"no run reports {metric!r}; fix: name a key of the runs' metrics.jsonl in "
+                                 "--per_round_metrics, or add the flag that reports it (e.g. --precision_cosine)")
+        text += f"\n{metric} per round:\n\n" + per_round_table(results, metric, metric) + "\n"
     if args.results_file:
         png = os.path.splitext(args.results_file)[0] + ".png"
         text += f"\n![GA (solid) and LA (dashed) per round]({os.path.basename(png)})\n"

@@ -229,7 +229,8 @@ def test_kl_options_change_the_round_as_specified(digits, vi_model):
     chex.assert_trees_all_close(server(kl_divisor="federation"), server(kl_beta=0.2), rtol=1e-4, atol=1e-6)
     # Annealed over 4 rounds: round 1 uses beta/4, round 4 and later the full beta.
     chex.assert_trees_all_close(server(round_index=1, kl_anneal_rounds=4), server(kl_beta=0.25), rtol=1e-4, atol=1e-6)
-    chex.assert_trees_all_equal(server(round_index=5, kl_anneal_rounds=4), server(round_index=5))
+    # two programs (beta * min(r / 4, 1) against beta): equal up to the compiler's rounding
+    chex.assert_trees_all_close(server(round_index=5, kl_anneal_rounds=4), server(round_index=5), rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match="total_size"):
         bf.algorithms.bfl(vi_model, (8, 8, 1), kl_divisor="federation")
     with pytest.raises(ValueError, match="kl_beta"):

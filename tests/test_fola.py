@@ -111,3 +111,32 @@ def test_client_precision_adds_the_round_fisher_to_the_server_precision(small_fe
     expected = jax.tree.map(lambda f, s: f + share * s, fisher, s)
     chex.assert_trees_all_close(message_precision({**zero, "precision": s}), expected, rtol=1e-5, atol=1e-7)
     assert float(jax.tree.leaves(fisher)[0].max()) > 1e-6  # the Fisher is not trivially zero
+
+
+def test_precision_similarity_layer_reports_fig_11a_and_keeps_the_aggregation(small_fed, tiny_model, tiny_params):
+    """3 of 5 clients: the layer's precision_cosine is the mean over the cohort's pairs of the paper's cosine
+    of the clients' normalised precision matrices (from messages trained outside the engine); the server
+    state is the plain FOLA round's."""
+    config = RoundConfig(small_fed.num_clients, 3)
+    algo = bf.algorithms.fola(tiny_model, lr=0.1, lam=1.0, batch_size=16)
+    layered = bf.algorithms.with_precision_similarity(algo)
+    arrays, hparams, key = round_arrays(small_fed), traced_hparams(algo, 1), jax.random.PRNGKey(1)
+    plain_state, _ = make_round_step(algo, config)(init_state(algo, tiny_params, config), arrays, key, hparams)
+    state, metrics = make_round_step(layered, config)(init_state(layered, tiny_params, config), arrays, key, hparams)
+    chex.assert_trees_all_close(state.server, plain_state.server, rtol=1e-5, atol=1e-7)
+    cohort = sample_cohort(config, arrays, key)
+    ctx = lambda n: ClientContext(algo.server_init(tiny_params), (), ClientData(
+        jnp.asarray(small_fed.x[n]), jnp.asarray(small_fed.y[n]), jnp.int32(small_fed.counts[n])), hparams)
+    train = jax.jit(lambda ctx, key: local_training(algo, ctx, key)[0])
+    diagonals = [np.concatenate([np.ravel(p) for p in jax.tree.leaves(train(ctx(n), cohort.keys[i])["precision"])])
+                 for i, n in enumerate(np.asarray(cohort.ids))]
+    def cosine(a, b):  # the d x d diagonal matrices, min-max normalised and vectorised (Fig. 10a, 11a)
+        a, b = ((m - m.min()) / (m - m.min()).max() for m in (np.diag(a), np.diag(b)))
+        return float(a.ravel() @ b.ravel() / np.linalg.norm(a) / np.linalg.norm(b))
+    want = np.mean([cosine(diagonals[i], diagonals[j]) for i in range(3) for j in range(i + 1, 3)])
+    np.testing.assert_allclose(float(metrics["precision_cosine"]), want, rtol=1e-4)
+    assert 0.0 < want < 0.999  # clients with different classes have different precisions
+    fedavg = bf.algorithms.with_precision_similarity(bf.algorithms.fedavg(tiny_model, batch_size=16))
+    with pytest.raises(ValueError, match="needs Gaussian messages"):
+        make_round_step(fedavg, config)(init_state(fedavg, tiny_params, config), arrays, key,
+                                        traced_hparams(fedavg, 1))

@@ -129,3 +129,35 @@ def test_fola_running_average_is_eq25():
         server, _ = algo.aggregate(server, stacked, jnp.asarray(pi, jnp.float32), jnp.ones(3), hp, jax.random.PRNGKey(r))
         np.testing.assert_allclose(server["precision"]["w"], np.einsum("n,rnd->rd", pi, fishers[:r]).mean(0),
                                    rtol=1e-5)
+
+
+def _paper_cosine(a, b):
+    """FOLA Fig. 10a/11a by the letter: subtract each matrix's minimum, divide by its maximum, vectorise, cosine."""
+    a, b = ((m - m.min()) / (m - m.min()).max() for m in (a, b))
+    return float(a.ravel() @ b.ravel() / np.linalg.norm(a) / np.linalg.norm(b))
+
+
+def test_precision_cosines_follow_the_papers_normalised_matrices():
+    from bfedjax.posteriors.similarity import mean_pairwise_precision_cosine, precision_cosines
+    rng = np.random.default_rng(0)
+    # diagonal: three clients' pytrees of 5 + 2 entries; client 1 has a negative entry, so its zero
+    # off-diagonals move with the shift
+    diag = {"w": rng.uniform(0.1, 3.0, size=(3, 5)), "b": rng.uniform(0.1, 3.0, size=(3, 2))}
+    diag["w"][1, 2] = -0.7
+    got = np.asarray(precision_cosines(jax.tree.map(jnp.asarray, diag), 7))
+    flat = np.concatenate([diag["w"], diag["b"]], axis=1)
+    want = np.array([[_paper_cosine(np.diag(flat[i]), np.diag(flat[j])) for j in range(3)] for i in range(3)])
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert abs(got[0, 1] - float(flat[0] @ flat[1] / np.linalg.norm(flat[0]) / np.linalg.norm(flat[1]))) > 1e-3
+    # full: symmetric matrices with negative off-diagonals
+    dense = rng.normal(size=(3, 4, 4))
+    dense = dense + dense.transpose(0, 2, 1)
+    got = np.asarray(precision_cosines(jnp.asarray(dense), 4))
+    want = np.array([[_paper_cosine(dense[i], dense[j]) for j in range(3)] for i in range(3)])
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    # the mean over pairs of real clients: client 2 is padding
+    mean = mean_pairwise_precision_cosine(jnp.asarray(dense), 4, jnp.array([1.0, 1.0, 0.0]))
+    np.testing.assert_allclose(float(mean), want[0, 1], rtol=1e-5)
+    assert np.isnan(float(mean_pairwise_precision_cosine(jnp.asarray(dense), 4, jnp.array([1.0, 0.0, 0.0]))))
+    with pytest.raises(ValueError, match="7 .diagonal"):
+        precision_cosines(jnp.asarray(dense), 7)

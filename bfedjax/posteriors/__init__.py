@@ -1,5 +1,5 @@
 """Diagonal-Gaussian posteriors, every aggregation rule, and client weightings."""
-from bfedjax.posteriors import robust, weighting
+from bfedjax.posteriors import robust, similarity, weighting
 from bfedjax.posteriors.aggregation import (DWC_GUARDS, RULES, aggregate, centered_linear_pool, conflation,
                                             distributed_weight_consolidation, gaussian_product,
                                             gaussian_product_from_stats, gaussian_product_full,
@@ -16,5 +16,5 @@ __all__ = [
     "gaussian_product_from_stats", "gaussian_product_full", "gaussian_product_full_from_stats",
     "gaussian_product_full_stats", "gaussian_product_stats", "kl_divergence", "linear_pool", "log_density",
     "log_linear_pool", "moment_matched_mixture", "nwa", "quadratic_penalty", "rho_to_scale", "scale_to_rho",
-    "robust", "softplus_inverse", "weighted_conflation", "weighted_mean", "weighted_sum_of_normals", "weighting",
+    "robust", "similarity", "softplus_inverse", "weighted_conflation", "weighted_mean", "weighted_sum_of_normals", "weighting",
 ]
