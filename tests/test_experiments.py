@@ -454,3 +454,11 @@ def test_compare_tables_local_accuracy_per_round():
     table = compare.per_round_table(results, "local_accuracy", "LA").splitlines()
     assert table[0] == "| round | a LA | b LA |" and table[3] == "| 2 | 0.5000 | 1.0000 |"
     assert compare.per_round_table(results).splitlines()[3] == "| 2 | 0.2000 | 0.2000 |"
+
+
+def test_compare_tables_a_metric_only_for_the_runs_that_report_it():
+    from experiments import compare
+    results = {"fedavg": {"rounds": [{"global_accuracy": 0.5}]},
+               "fola": {"rounds": [{"global_accuracy": 0.6, "precision_cosine": 0.25}]}}
+    assert compare.per_round_table(results, "precision_cosine", "cos").splitlines() == [
+        "| round | fola cos |", "|---|---|", "| 1 | 0.2500 |"]
