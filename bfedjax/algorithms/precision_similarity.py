@@ -19,7 +19,8 @@ def with_precision_similarity(algorithm: Algorithm) -> Algorithm:
         if not isinstance(messages, dict) or not {"params", "precision"} <= set(messages):
             got = sorted(messages) if isinstance(messages, dict) else type(messages).__name__
             raise ValueError(f"precision similarity needs Gaussian messages ('params' and 'precision'); "
-                             f"{algorithm.name} sends {got}; fix: use it with fola, fedcurv's authors variant or another method sending both")
+                             f"{algorithm.name} sends {got}; fix: use it with fola, fedcurv's authors variant or "
+                             "another method sending both")
         d = num_params(messages["params"]) // mask.shape[0]
         cosine = mean_pairwise_precision_cosine(messages["precision"], d, mask)
         server, metrics = algorithm.aggregate(server, messages, weights, mask, hparams, key)
