@@ -121,7 +121,8 @@ def segmentation(model, *, loss: str = "ce_dice", regions: tuple = (),
       ``dice_class{c}`` per class when there are more than two), ``pixel_accuracy`` and ``loss`` of
       the hard prediction (``logit > 0``, or the argmax), ``dice_<name>`` and ``hd95_<name>`` for each of ``regions``
       (``((name, classes), ...)``, unions of classes such as ``metrics.segmentation.FETS_REGIONS``,
-      BraTS's whole tumour, tumour core and enhancing tumour), plus the FedRef authors' ``authors_dice``,
+      BraTS's whole tumour, tumour core and enhancing tumour; names distinct identifiers, not ``class<c>``,
+      checked by ``metrics.segmentation.checked_regions``), plus the FedRef authors' ``authors_dice``,
       ``authors_iou`` (soft, batch-pooled, after a sigmoid and a softmax) and ``authors_hd95``
       (their row-wise distance, not a Hausdorff distance), computed the way their code does
       (``metrics.segmentation``).
@@ -132,7 +133,7 @@ def segmentation(model, *, loss: str = "ce_dice", regions: tuple = (),
     from bfedjax.metrics import segmentation as seg
     apply_fn = apply_fn_of(model)
     loss_fn = seg.loss_fn(loss)
-    regions = tuple((str(name), tuple(int(c) for c in classes)) for name, classes in regions)  # hashable: jit-static
+    regions = seg.checked_regions(regions)
 
     def train_loss(params, batch):
         return loss_fn(apply_fn(params, batch.x), batch.y, batch.mask)

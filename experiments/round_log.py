@@ -1,6 +1,8 @@
 """Where ``experiments.run`` sends each round's record: metrics.jsonl, the console, TensorBoard.
 
-* ``metrics.jsonl``: one JSON record per round (``json.dumps`` of ``simulate``'s record).
+* ``metrics.jsonl``: one JSON record per round (``json.dumps`` of ``simulate``'s record). A resumed run keeps
+  the interrupted run's records of the rounds before its first one (those the checkpoint restored) and drops
+  the later ones it will redo, so the file never loses a finished round.
 * The console: exactly one plain line per round (``format_line(record)``) when stdout is not a terminal
   (logs, CI, pipes); on a terminal the same lines above a tqdm progress bar with an ETA and the round's
   key numbers (GA, LA, loss, ...) as its postfix.
@@ -61,12 +63,14 @@ class RoundLog:
         self.stream = stream or sys.stdout
         self.tensorboard = tensorboard
         self.metrics_path = os.path.join(output_dir, "metrics.jsonl")
-        self._sink = open(self.metrics_path, "w")
+        self._sink = None  # opened at the first record, which says how many earlier records to keep
         self._bar = None
         self._writer = None
         self._interactive = bool(getattr(self.stream, "isatty", lambda: False)())
 
     def __call__(self, record: Mapping) -> None:
+        if self._sink is None:
+            self._sink = self._open_sink(first_round=int(record["round"]))
         self._sink.write(json.dumps(record) + "\n")
         self._sink.flush()
         self._to_console(record)
@@ -75,6 +79,24 @@ class RoundLog:
             for name, value in numeric_items(record).items():
                 writer.add_scalar(name, value, global_step=int(record["round"]))
             writer.flush()
+
+    def _open_sink(self, first_round: int) -> TextIO:
+        """metrics.jsonl for appending, holding only the records already there of rounds before ``first_round``
+        (a resumed run's restored rounds; a half-written last line of a killed run is dropped)."""
+        kept = []
+        if os.path.exists(self.metrics_path):
+            with open(self.metrics_path) as old:
+                for line in old:
+                    try:
+                        earlier = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue
+                    if isinstance(earlier, dict) and isinstance(earlier.get("round"), int) and (
+                            earlier["round"] < first_round):
+                        kept.append(line if line.endswith("\n") else line + "\n")
+        sink = open(self.metrics_path, "w")
+        sink.writelines(kept)
+        return sink
 
     def _to_console(self, record: Mapping) -> None:
         line = self.format_line(record)
@@ -125,7 +147,8 @@ class RoundLog:
         """After the last round: closes the progress bar and rewrites metrics.jsonl from ``simulate``'s columns
         ``metrics`` (rounds restored from a checkpoint included), one record per round."""
         self._close_bar()
-        self._sink.close()
+        if self._sink is not None:
+            self._sink.close()
         with open(self.metrics_path, "w") as sink:
             for r in range(len(metrics["round"])):
                 sink.write(json.dumps({k: v[r] for k, v in metrics.items()}) + "\n")
@@ -140,7 +163,8 @@ class RoundLog:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
-        self._sink.close()
+        if self._sink is not None:
+            self._sink.close()
 
     def __enter__(self):
         return self

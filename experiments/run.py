@@ -48,6 +48,10 @@ flags.DEFINE_enum("task", "classification", list(bf.tasks.TASKS), "What the mode
 flags.DEFINE_enum("segmentation_loss", "ce_dice", list(bf.metrics.segmentation.LOSSES), "--task=segmentation's loss: "
                   "ce_dice (cross-entropy + soft Dice per image), or the FedRef authors' focal (DRIVE) and dice_focal "
                   "(FeTS): segmentation_models_pytorch's multiclass losses as they configure them.")
+flags.DEFINE_enum("segmentation_head", "sigmoid", list(bf.models.SEGMENTATION_HEADS), "--task=segmentation on "
+                  "binary masks: sigmoid (one foreground logit per pixel) or softmax (one logit per class, the FedRef "
+                  "authors' two-channel DRIVE head, which their focal loss scores as two classes). More classes: "
+                  "always one logit per class.")
 flags.DEFINE_enum("model", "mlp", list(bf.models.MODELS), "Model architecture.")
 flags.DEFINE_list("hidden", ["200", "200"], "Hidden widths of --model=mlp.")
 flags.DEFINE_enum("compute_dtype", "float32", list(bf.models.COMPUTE_DTYPES), "Dtype of the models' activations "
@@ -406,9 +410,10 @@ def make_partition(labels):
 def make_model(num_classes: int):
     try:
         return bf.models.get_model(FLAGS.model, num_classes, hidden=tuple(int(h) for h in FLAGS.hidden),
-                                   dropout_rate=FLAGS.dropout_rate, compute_dtype=FLAGS.compute_dtype)
+                                   dropout_rate=FLAGS.dropout_rate, compute_dtype=FLAGS.compute_dtype,
+                                   segmentation_head=FLAGS.segmentation_head)
     except ValueError as err:
-        raise app.UsageError(f"{err} (--model / --dropout_rate)") from None
+        raise app.UsageError(f"{err} (--model / --dropout_rate / --segmentation_head)") from None
 
 
 def check_model_fits(model, dataset, task, flag: str | None = None) -> None:

@@ -192,6 +192,22 @@ def test_progress_bar_on_a_terminal(tmp_path):
     assert [json.loads(l)["round"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
 
 
+def test_resumed_round_log_keeps_the_restored_rounds_records(tmp_path):
+    """A run resumed after round 2 keeps the interrupted run's records of rounds 1-2 while it runs (not only
+    after its last round), and drops its round 3 and a half-written line: it redoes them."""
+    from experiments.round_log import RoundLog
+    old = [json.dumps({"round": r, "global_accuracy": r / 10}) for r in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(old) + '\n{"round": 4, "glob')
+    rounds = lambda: [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    with RoundLog(str(tmp_path), 5, lambda r: f"round {r['round']}", stream=io.StringIO()) as log:
+        log({"round": 3, "global_accuracy": 0.35})
+        assert rounds() == [{"round": 1, "global_accuracy": 0.1}, {"round": 2, "global_accuracy": 0.2},
+                            {"round": 3, "global_accuracy": 0.35}]
+    with RoundLog(str(tmp_path), 5, lambda r: f"round {r['round']}", stream=io.StringIO()) as log:
+        log({"round": 1, "global_accuracy": 0.5})  # started over (--noresume): nothing earlier is kept
+    assert rounds() == [{"round": 1, "global_accuracy": 0.5}]
+
+
 def test_plot_cli_turns_the_run_folder_into_pngs(run_dir, tmp_path):
     out, _ = run_dir
     result = subprocess.run([sys.executable, "-m", "experiments.plot", str(out), f"--output_dir={tmp_path}"],

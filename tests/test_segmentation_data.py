@@ -91,6 +91,31 @@ def test_unet_registry_init_and_bad_size():
         jax.eval_shape(UNet().init, jax.random.PRNGKey(0), np.zeros((1, 30, 30, 1), np.float32))
 
 
+def test_softmax_head_gives_binary_masks_one_logit_per_class():
+    """--segmentation_head=softmax: the FedRef authors' two-channel DRIVE head; the drive preset uses it with their
+    focal loss; a classifier or an unknown head gets a one-line error naming the fix."""
+    from absl import app
+
+    from experiments import run
+    assert [get_model(name, 2, segmentation_head="softmax").out_channels for name in ("unet", "unet3d")] == [2, 2]
+    assert [get_model("unet", 4, segmentation_head=head).out_channels for head in ("sigmoid", "softmax")] == [4, 4]
+    with pytest.raises(ValueError, match="is a classifier; .*fix: drop it"):
+        get_model("mlp", 2, segmentation_head="softmax")
+    with pytest.raises(ValueError, match=r"fix: use one of \('sigmoid', 'softmax'\)"):
+        get_model("unet", 2, segmentation_head="two")
+    path = os.path.join(os.path.dirname(__file__), "..", "experiments", "configs", "fedref", "drive.flags")
+    try:
+        run.FLAGS(["run", f"--flagfile={path}"])
+        assert run.make_model(2).out_channels == 2 and run.FLAGS.segmentation_loss == "focal"
+        run.FLAGS.segmentation_head = "sigmoid"
+        assert run.make_model(2).out_channels == 1
+        run.FLAGS(["run", "--model=mlp", "--segmentation_head=softmax"])
+        with pytest.raises(app.UsageError, match="fix: drop it"):
+            run.make_model(2)
+    finally:
+        run.FLAGS.unparse_flags()
+
+
 def test_unet_is_local():
     """Fully convolutional: a one-pixel change moves the logits near it, not those beyond the receptive field."""
     model = UNet(features=4, levels=3)
@@ -604,3 +629,25 @@ def test_standardisation_statistics_in_chunks_equal_numpys(monkeypatch):
         np.testing.assert_allclose(std, x.std(axis=axes, dtype=np.float64), rtol=1e-6)
         assert mean.dtype == std.dtype == np.float32 and std.shape == ((3,) if per_channel else ())
     assert seg._mean_std(np.ones((4, 2, 2), np.float32), False)[1] == np.float32(1e-12)  # a constant set: the floor
+
+
+def test_standardising_a_set_allocates_one_copy_and_refuses_an_empty_one(monkeypatch):
+    """_pack's peak is the standardised arrays themselves (no second temporary the size of the set), and an
+    empty training set is a one-line error, not a division by zero."""
+    import tracemalloc
+
+    from bfedjax.data import segmentation as seg
+    rng = np.random.default_rng(6)
+    x_train, x_test = (rng.normal(size=(n, 64, 64)).astype(np.float32) for n in (256, 64))  # 4 MiB and 1 MiB
+    y_train, y_test = np.zeros((256, 64, 64), np.int32), np.zeros((64, 64, 64), np.int32)
+    monkeypatch.setattr(seg, "_STATS_CHUNK_ELEMENTS", 2 ** 14)  # the statistics' float64 chunks: 4 rows, 128 KiB
+    tracemalloc.start()
+    try:
+        d = seg._pack("set", x_train, y_train, x_test, y_test, "test", "standardised")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    np.testing.assert_allclose(d.x_train[..., 0], (x_train - x_train.mean()) / x_train.std(), atol=1e-5)
+    assert peak < 1.2 * (x_train.nbytes + x_test.nbytes)  # (x - mean) / std in two steps would peak at 1.6
+    with pytest.raises(ValueError, match="vessels: no training images; fix: "):
+        seg._pack("vessels", x_train[:0], y_train[:0], x_test, y_test, "test", "standardised")

@@ -1,4 +1,6 @@
 """bfedjax.metrics.segmentation: hand-made cases, a scipy hd95 reference, the FedRef authors' metrics."""
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -410,6 +412,20 @@ def test_regions_score_unions_of_classes():
         np.testing.assert_allclose(sums[f"hd95_{name}"], hd, rtol=1e-5, err_msg=name)
     np.testing.assert_allclose(sums["dice_enhancing_tumour"], sums["dice_class3"], rtol=1e-6)
     assert float(sums["dice_whole_tumour"]) > float(sums["dice_enhancing_tumour"])  # a larger mask, a smaller shift
+
+
+@pytest.mark.parametrize("regions,fix", [
+    ((("class1", (1, 2)),), "other than class<c>"),  # would overwrite dice_class1
+    ((("core", (1,)), ("core", (1, 3))), "one name per region"),
+    ((("whole tumour", (1, 2)),), "a Python identifier"),
+    ((("core", ()),), "foreground labels >= 1"),
+    ((("all", (0, 1)),), "foreground labels >= 1"),
+])
+def test_segmentation_task_refuses_regions_whose_metrics_would_collide(regions, fix):
+    from bfedjax import models, tasks
+    assert S.checked_regions([["core", [1, 3]]]) == (("core", (1, 3)),)  # lists in, hashable tuples out
+    with pytest.raises(ValueError, match=f"fix: .*{re.escape(fix)}"):
+        tasks.segmentation(models.UNet(out_channels=4), regions=regions)
 
 
 def test_authors_hd95_on_class_logits_of_volumes():

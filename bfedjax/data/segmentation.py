@@ -68,6 +68,13 @@ def _mean_std(x: np.ndarray, per_channel: bool) -> tuple[np.ndarray, np.ndarray]
     return np.asarray(mean, np.float32), np.asarray(np.maximum(std, 1e-12), np.float32)
 
 
+def _standardised(x: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
+    """``(x - mean) / std`` as one new float32 array (the division in place: the peak is ``x`` and one copy)."""
+    out = np.subtract(x, mean, dtype=np.float32)
+    out /= std
+    return out
+
+
 def _pack(name: str, x_train, y_train, x_test, y_test, source: str, pixels: str, client_ids=None,
           num_classes: int = 2) -> Dataset:
     """Images ``[n, H, W]`` or ``[n, H, W, C]`` (or volumes ``[n, D, H, W, 1]``) in [0, 1] and masks ``[n, H, W]``
@@ -82,9 +89,11 @@ def _pack(name: str, x_train, y_train, x_test, y_test, source: str, pixels: str,
     if pixels not in PIXELS:
         raise ValueError(f"pixels={pixels!r}; choose one of {PIXELS}")
     x_train, x_test = (np.asarray(x, np.float32) for x in (x_train, x_test))
+    if len(x_train) == 0:
+        raise ValueError(f"{name}: no training images; fix: a data folder or subset with at least one")
     if pixels == "standardised":
         mean, std = _mean_std(x_train, per_channel=x_train.ndim == 4)  # per channel, else one scalar
-        x_train, x_test = ((x - mean) / std for x in (x_train, x_test))
+        x_train, x_test = (_standardised(x, mean, std) for x in (x_train, x_test))
     if x_train.ndim == 3:
         x_train, x_test = x_train[..., None], x_test[..., None]
     return Dataset(name=name, x_train=np.ascontiguousarray(x_train, np.float32),

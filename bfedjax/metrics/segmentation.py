@@ -43,6 +43,7 @@ depends on their batch size; call :func:`authors_soft_dice` per batch to mimic i
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -496,6 +497,23 @@ def loss_fn(name: str):
 
 # BraTS / FeTS's evaluated regions in the FedRef authors' classes (FeTS's labels 1, 2, 4 as 1, 2, 3).
 FETS_REGIONS = (("whole_tumour", (1, 2, 3)), ("tumour_core", (1, 3)), ("enhancing_tumour", (3,)))
+
+
+def checked_regions(regions) -> tuple:
+    """``((name, classes), ...)`` as hashable tuples (jit-static), checked: names distinct identifiers that
+    do not shadow the per-class Dice (``class<c>`` would make ``dice_class<c>`` twice), classes non-empty
+    foreground labels (>= 1). A ``ValueError`` naming the fix otherwise."""
+    out = tuple((str(name), tuple(int(c) for c in classes)) for name, classes in regions)
+    names = [name for name, _ in out]
+    for name, classes in out:
+        if not re.fullmatch(r"[A-Za-z_]\w*", name) or re.fullmatch(r"class\d+", name):
+            raise ValueError(f"region name {name!r} would not make its own metric name dice_<name>; fix: a "
+                             "Python identifier other than class<c> (e.g. 'whole_tumour')")
+        if names.count(name) > 1:
+            raise ValueError(f"region name {name!r} is given {names.count(name)} times; fix: one name per region")
+        if not classes or min(classes) < 1:
+            raise ValueError(f"region {name!r} has classes {classes}; fix: one or more foreground labels >= 1")
+    return out
 
 
 @functools.partial(jax.jit, static_argnames=("loss", "regions"))

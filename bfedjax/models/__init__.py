@@ -20,6 +20,8 @@ from bfedjax.models.zoo import (
     FolaCNN,
     McMahanCNN,
     LeNet,
+    SEGMENTATION_HEADS,
+    SEGMENTATION_MODELS,
     Logistic,
     compute_dtype_of,
     get_model,
@@ -30,7 +32,8 @@ from bfedjax.models.zoo import (
 
 __all__ = [
     "Logistic", "MLP", "FolaCNN", "LeNet", "CNN1", "CNN2", "CNN2Trunk", "FedRegCNN", "McMahanCNN", "ResNet20", "FixupResNet9", "MobileNetV3Small", "UNet", "UNet3D",
-    "MODELS", "DROPOUT_MODELS", "COMPUTE_DTYPES", "compute_dtype_of", "get_model", "init_params", "num_params",
+    "MODELS", "DROPOUT_MODELS", "SEGMENTATION_MODELS", "SEGMENTATION_HEADS", "COMPUTE_DTYPES", "compute_dtype_of",
+    "get_model", "init_params", "num_params",
     "local_response_normalization", "client_architectures", "parse_architectures", "apply", "apply_fn_of",
     "train_apply_fn_of", "mc_predict_proba",
 ]

@@ -407,23 +407,33 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "resnet9_fixup": lambda num_classes, hidden=None: FixupResNet9(num_classes=num_classes),
     # FedRef's MNIST model (models.mobilenet): torchvision's MobileNetV3-Small, inputs resized to 64x64 RGB.
     "mobilenet_v3_small": lambda num_classes, hidden=None: MobileNetV3Small(num_classes=num_classes),
-    # Segmentation: num_classes == 2 is binary, one foreground logit per pixel ([B, H, W]).
-    "unet": lambda num_classes, hidden=None: UNet(out_channels=1 if num_classes == 2 else num_classes),
+    # Segmentation: num_classes == 2 is binary, one foreground logit per pixel ([B, H, W]), unless
+    # segmentation_head="softmax" (one logit per class, the FedRef authors' two-channel DRIVE head).
+    "unet": lambda num_classes, hidden=None, softmax_head=False: UNet(
+        out_channels=_segmentation_channels(num_classes, softmax_head)),
     # FedRef's FeTS model (models.unet3d): pytorch-3dunet's UNet3D, f_maps 4, 4 levels, GroupNorm 4; volumes.
-    "unet3d": lambda num_classes, hidden=None: UNet3D(out_channels=1 if num_classes == 2 else num_classes),
+    "unet3d": lambda num_classes, hidden=None, softmax_head=False: UNet3D(
+        out_channels=_segmentation_channels(num_classes, softmax_head)),
 }
 """name -> factory ``(num_classes, hidden=None[, dropout_rate]) -> nn.Module``.
 
 ``hidden`` is only used by ``"mlp"`` (default ``(200, 200)``); the other
 entries ignore it. Only the MLPs and ``"resnet20"`` take a ``dropout_rate``.
 ``"unet"`` is a segmentation net (``models.unet``): logits ``[B, H, W]`` for
-``num_classes == 2`` (one foreground logit), else ``[B, H, W, num_classes]``;
+``num_classes == 2`` (one foreground logit; with ``softmax_head=True``, get_model's
+``segmentation_head="softmax"``, two), else ``[B, H, W, num_classes]``;
 ``"unet3d"`` (``models.unet3d``) the same for volumes, ``[B, D, H, W(, num_classes)]``.
 """
 
 
+def _segmentation_channels(num_classes: int, softmax_head: bool) -> int:
+    """A segmentation net's logits per pixel: one for two classes (a sigmoid head) unless ``softmax_head``, else one
+    per class."""
+    return num_classes if softmax_head or num_classes != 2 else 1
+
+
 def get_model(name: str, num_classes: int, hidden: Sequence[int] | None = None, dropout_rate: float = 0.0,
-              compute_dtype: Dtype = "float32") -> nn.Module:
+              compute_dtype: Dtype = "float32", segmentation_head: str = "sigmoid") -> nn.Module:
     """Build a model by registry name.
 
     Args:
@@ -434,13 +444,18 @@ def get_model(name: str, num_classes: int, hidden: Sequence[int] | None = None, 
       compute_dtype: one of ``COMPUTE_DTYPES``: the dtype of activations and matrix products
         (Flax's ``dtype``). Parameters, and so the optimiser's master weights, stay float32
         (``param_dtype``), and the logits are returned as float32: ``"bfloat16"`` is mixed precision.
+      segmentation_head: one of ``SEGMENTATION_HEADS``, for ``SEGMENTATION_MODELS`` with binary masks
+        (``num_classes == 2``): ``"sigmoid"``, one foreground logit per pixel (``[B, H, W]``), or
+        ``"softmax"``, one logit per class (``[B, H, W, 2]``; the FedRef authors' DRIVE head, which their
+        focal loss scores as two classes). With more classes both are one logit per class.
 
     Returns:
       An (unbound) ``flax.linen`` module mapping ``[B, ...] -> [B, K]``.
 
     Raises:
       ValueError: if ``name`` is unknown (the message lists valid names), ``dropout_rate``
-        is set for a model without dropout layers, or ``compute_dtype`` is not one of ``COMPUTE_DTYPES``.
+        is set for a model without dropout layers, ``compute_dtype`` is not one of ``COMPUTE_DTYPES``, or
+        ``segmentation_head`` is unknown or ``"softmax"`` for a model outside ``SEGMENTATION_MODELS``.
     """
     key = name.lower() if isinstance(name, str) else name
     if key not in MODELS:
@@ -450,7 +465,15 @@ def get_model(name: str, num_classes: int, hidden: Sequence[int] | None = None, 
         raise ValueError(f"dropout_rate={dropout_rate} must be in [0, 1); fix: pass e.g. dropout_rate=0.2")
     if dropout_rate and key not in DROPOUT_MODELS:
         raise ValueError(f"model {name!r} has no dropout layers; fix: use one of {DROPOUT_MODELS} for MC dropout")
-    model = MODELS[key](num_classes, hidden, **({"dropout_rate": dropout_rate} if dropout_rate else {}))
+    if segmentation_head not in SEGMENTATION_HEADS:
+        raise ValueError(f"segmentation_head={segmentation_head!r}; fix: use one of {SEGMENTATION_HEADS}")
+    if segmentation_head == "softmax" and key not in SEGMENTATION_MODELS:
+        raise ValueError(f"model {name!r} is a classifier; segmentation_head='softmax' is for "
+                         f"{SEGMENTATION_MODELS}; fix: drop it")
+    options = {"dropout_rate": dropout_rate} if dropout_rate else {}
+    if segmentation_head == "softmax":
+        options["softmax_head"] = True
+    model = MODELS[key](num_classes, hidden, **options)
     dtype = compute_dtype_of(compute_dtype)
     return model if dtype == jnp.float32 else model.clone(dtype=dtype)
 
@@ -470,6 +493,8 @@ def compute_dtype_of(name: Dtype) -> jnp.dtype:
 
 
 DROPOUT_MODELS = ("mlp", "mlp_500_300", "mlp_200_200", "resnet20")
+SEGMENTATION_MODELS = ("unet", "unet3d")
+SEGMENTATION_HEADS = ("sigmoid", "softmax")  # binary masks: one foreground logit, or one logit per class
 
 
 def init_params(model: nn.Module, input_shape: tuple[int, ...],
@@ -522,5 +547,6 @@ def num_params(params: Params) -> int:
 __all__ = [
     "Logistic", "MLP", "FolaCNN", "LeNet", "FedRegCNN", "McMahanCNN", "ResNet20", "FixupResNet9",
     "MobileNetV3Small", "local_response_normalization",
-    "MODELS", "DROPOUT_MODELS", "COMPUTE_DTYPES", "compute_dtype_of", "get_model", "init_params", "num_params",
+    "MODELS", "DROPOUT_MODELS", "SEGMENTATION_MODELS", "SEGMENTATION_HEADS", "COMPUTE_DTYPES", "compute_dtype_of",
+    "get_model", "init_params", "num_params",
 ]
