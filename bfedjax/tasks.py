@@ -109,8 +109,9 @@ def segmentation(model, *, loss: str = "ce_dice", regions: tuple = (),
     """Segmentation of images ``[H, W]`` (or volumes ``[D, H, W]``, ``models.UNet3D``) into classes.
 
     The model gives one foreground logit per pixel, ``[B, H, W]``, for binary masks ``y [B, H, W]``
-    in {0, 1}, or one logit per class, ``[B, H, W, C]``, for label maps in ``{0, ..., C-1}``
-    (``models.get_model("unet", num_classes)`` builds either from the data set's ``num_classes``).
+    in {0, 1}, or one logit per class, ``[B, H, W, C]``, for label maps in ``{0, ..., C-1}`` and, with
+    a two-channel head, for binary masks (``models.get_model("unet", num_classes)`` builds either from
+    the data set's ``num_classes``; ``segmentation_head="softmax"`` the two-channel head for binary masks).
 
     loss: ``metrics.segmentation.LOSSES[loss]`` over the batch's real images: ``"ce_dice"``
       (cross-entropy + soft Dice of the foreground classes, per image), or the FedRef authors'

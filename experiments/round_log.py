@@ -1,8 +1,9 @@
 """Where ``experiments.run`` sends each round's record: metrics.jsonl, the console, TensorBoard.
 
 * ``metrics.jsonl``: one JSON record per round (``json.dumps`` of ``simulate``'s record). A resumed run keeps
-  the interrupted run's records of the rounds before its first one (those the checkpoint restored) and drops
-  the later ones it will redo, so the file never loses a finished round.
+  the interrupted run's records of the rounds before its first one (those the checkpoint restored, unless
+  the kill fell between a round's checkpoint and its record) and drops the later ones it will redo; after
+  the last round the file is rewritten from ``simulate``'s whole history.
 * The console: exactly one plain line per round (``format_line(record)``) when stdout is not a terminal
   (logs, CI, pipes); on a terminal the same lines above a tqdm progress bar with an ETA and the round's
   key numbers (GA, LA, loss, ...) as its postfix.
@@ -82,7 +83,8 @@ class RoundLog:
 
     def _open_sink(self, first_round: int) -> TextIO:
         """metrics.jsonl for appending, holding only the records already there of rounds before ``first_round``
-        (a resumed run's restored rounds; a half-written last line of a killed run is dropped)."""
+        (a resumed run's restored rounds; a half-written last line of a killed run is dropped). The kept
+        records replace the file in one rename, so a kill here loses none of them."""
         kept = []
         if os.path.exists(self.metrics_path):
             with open(self.metrics_path) as old:
@@ -94,9 +96,11 @@ class RoundLog:
                     if isinstance(earlier, dict) and isinstance(earlier.get("round"), int) and (
                             earlier["round"] < first_round):
                         kept.append(line if line.endswith("\n") else line + "\n")
-        sink = open(self.metrics_path, "w")
-        sink.writelines(kept)
-        return sink
+        partial = self.metrics_path + ".partial"
+        with open(partial, "w") as out:
+            out.writelines(kept)
+        os.replace(partial, self.metrics_path)
+        return open(self.metrics_path, "a")
 
     def _to_console(self, record: Mapping) -> None:
         line = self.format_line(record)

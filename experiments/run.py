@@ -23,6 +23,7 @@ stops with one line on stderr, ``error: ...; fix: ...``, and exit status 2 (``ex
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -49,8 +50,8 @@ flags.DEFINE_enum("segmentation_loss", "ce_dice", list(bf.metrics.segmentation.L
                   "ce_dice (cross-entropy + soft Dice per image), or the FedRef authors' focal (DRIVE) and dice_focal "
                   "(FeTS): segmentation_models_pytorch's multiclass losses as they configure them.")
 flags.DEFINE_enum("segmentation_head", "sigmoid", list(bf.models.SEGMENTATION_HEADS), "--task=segmentation on "
-                  "binary masks: sigmoid (one foreground logit per pixel) or softmax (one logit per class, the FedRef "
-                  "authors' two-channel DRIVE head, which their focal loss scores as two classes). More classes: "
+                  "binary masks: sigmoid (one foreground logit per pixel; class 0's logit is the constant 0) or softmax "
+                  "(one trainable logit per class, the FedRef authors' two-channel DRIVE head). More classes: "
                   "always one logit per class.")
 flags.DEFINE_enum("model", "mlp", list(bf.models.MODELS), "Model architecture.")
 flags.DEFINE_list("hidden", ["200", "200"], "Hidden widths of --model=mlp.")
@@ -611,8 +612,10 @@ def main(argv):
 
     os.makedirs(FLAGS.output_dir, exist_ok=True)
     checkpoints = os.path.join(FLAGS.output_dir, "checkpoints")
-    if not FLAGS.resume:
+    if not FLAGS.resume:  # a fresh run: no checkpoint and no earlier run's records
         shutil.rmtree(checkpoints, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(FLAGS.output_dir, "metrics.jsonl"))
     print(f"{algorithm.name} on {dataset.name} ({dataset.source}): {fed.num_clients} clients, "
           f"sizes {int(fed.counts.min())}..{int(fed.counts.max())}, {FLAGS.partition}, "
           f"{FLAGS.rounds} rounds, E={algorithm.local_epochs}, B={algorithm.batch_size}, lr={FLAGS.lr}, "

@@ -203,6 +203,9 @@ def test_resumed_round_log_keeps_the_restored_rounds_records(tmp_path):
         log({"round": 3, "global_accuracy": 0.35})
         assert rounds() == [{"round": 1, "global_accuracy": 0.1}, {"round": 2, "global_accuracy": 0.2},
                             {"round": 3, "global_accuracy": 0.35}]
+    with RoundLog(str(tmp_path), 5, lambda r: f"round {r['round']}", stream=io.StringIO()):
+        pass  # a run resumed with every round done records nothing: the file stays as it was
+    assert [r["round"] for r in rounds()] == [1, 2, 3]
     with RoundLog(str(tmp_path), 5, lambda r: f"round {r['round']}", stream=io.StringIO()) as log:
         log({"round": 1, "global_accuracy": 0.5})  # started over (--noresume): nothing earlier is kept
     assert rounds() == [{"round": 1, "global_accuracy": 0.5}]

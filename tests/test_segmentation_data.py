@@ -99,7 +99,7 @@ def test_softmax_head_gives_binary_masks_one_logit_per_class():
     from experiments import run
     assert [get_model(name, 2, segmentation_head="softmax").out_channels for name in ("unet", "unet3d")] == [2, 2]
     assert [get_model("unet", 4, segmentation_head=head).out_channels for head in ("sigmoid", "softmax")] == [4, 4]
-    with pytest.raises(ValueError, match="is a classifier; .*fix: drop it"):
+    with pytest.raises(ValueError, match="is a classifier; .*fix: drop segmentation_head"):
         get_model("mlp", 2, segmentation_head="softmax")
     with pytest.raises(ValueError, match=r"fix: use one of \('sigmoid', 'softmax'\)"):
         get_model("unet", 2, segmentation_head="two")
@@ -110,10 +110,28 @@ def test_softmax_head_gives_binary_masks_one_logit_per_class():
         run.FLAGS.segmentation_head = "sigmoid"
         assert run.make_model(2).out_channels == 1
         run.FLAGS(["run", "--model=mlp", "--segmentation_head=softmax"])
-        with pytest.raises(app.UsageError, match="fix: drop it"):
+        with pytest.raises(app.UsageError, match="fix: drop segmentation_head .*--segmentation_head"):
             run.make_model(2)
     finally:
         run.FLAGS.unparse_flags()
+    # the two-channel head on binary masks through the task: its loss, scores and predictive
+    from bfedjax import tasks
+    model = UNet(features=4, levels=1, out_channels=2)
+    task = tasks.segmentation(model, loss="focal")
+    params = init_params(model, (8, 8, 1), jax.random.PRNGKey(0))
+    x = np.asarray(jax.random.normal(jax.random.PRNGKey(1), (3, 8, 8, 1)))
+    y = (x[..., 0] > 0).astype(np.int32)
+    logits = model.apply({"params": params}, x)
+    chex.assert_shape(logits, (3, 8, 8, 2))
+    batch = bf.core.Batch(x, y, np.ones(3, np.float32))
+    np.testing.assert_allclose(task.loss(params, batch), bf.metrics.segmentation.authors_focal_loss(
+        logits, y, np.ones(3, np.float32)), rtol=1e-6)
+    scores = task.evaluate(params, x, y)
+    pred = np.argmax(np.asarray(logits), axis=-1)
+    expected_dice = np.mean([2 * (p & t).sum() / max(p.sum() + t.sum(), 1) if p.sum() + t.sum() else 1.0
+                             for p, t in zip(pred == 1, y == 1)])
+    np.testing.assert_allclose(scores["dice"], expected_dice, rtol=1e-5)
+    chex.assert_shape(task.predict(params, x, jax.random.PRNGKey(2), 1), (1, 3, 8, 8, 2))
 
 
 def test_unet_is_local():
@@ -649,5 +667,5 @@ def test_standardising_a_set_allocates_one_copy_and_refuses_an_empty_one(monkeyp
         tracemalloc.stop()
     np.testing.assert_allclose(d.x_train[..., 0], (x_train - x_train.mean()) / x_train.std(), atol=1e-5)
     assert peak < 1.2 * (x_train.nbytes + x_test.nbytes)  # (x - mean) / std in two steps would peak at 1.6
-    with pytest.raises(ValueError, match="vessels: no training images; fix: "):
+    with pytest.raises(ValueError, match="vessels: the training split is empty; fix: "):
         seg._pack("vessels", x_train[:0], y_train[:0], x_test, y_test, "test", "standardised")

@@ -415,7 +415,7 @@ def test_regions_score_unions_of_classes():
 
 
 @pytest.mark.parametrize("regions,fix", [
-    ((("class1", (1, 2)),), "other than class<c>"),  # would overwrite dice_class1
+    ((("class1", (1, 2)),), "another name"),  # would overwrite dice_class1
     ((("core", (1,)), ("core", (1, 3))), "one name per region"),
     ((("whole tumour", (1, 2)),), "a Python identifier"),
     ((("core", ()),), "foreground labels >= 1"),
@@ -426,6 +426,8 @@ def test_segmentation_task_refuses_regions_whose_metrics_would_collide(regions, 
     assert S.checked_regions([["core", [1, 3]]]) == (("core", (1, 3)),)  # lists in, hashable tuples out
     with pytest.raises(ValueError, match=f"fix: .*{re.escape(fix)}"):
         tasks.segmentation(models.UNet(out_channels=4), regions=regions)
+    with pytest.raises(ValueError, match=r"'vessel' has classes \(2,\), but the logits have 2 classes; fix: labels 1..1"):
+        S.evaluate_batch(np.zeros((1, 4, 4), np.float32), np.zeros((1, 4, 4), np.int32), regions=(("vessel", (2,)),))
 
 
 def test_authors_hd95_on_class_logits_of_volumes():

@@ -85,12 +85,14 @@ def _pack(name: str, x_train, y_train, x_test, y_test, source: str, pixels: str,
     images and for volumes, one per channel for ``[n, H, W, C]``; ``"unit"`` keeps [0, 1].
     ``[n, H, W]`` images get a trailing channel axis. ``client_ids`` (optional,
     ``[n_train]``) becomes ``Dataset.client_ids`` as int32; masks hold labels ``0..num_classes-1``.
+    An empty training split is a ``ValueError`` (with either ``pixels``).
     """
     if pixels not in PIXELS:
         raise ValueError(f"pixels={pixels!r}; choose one of {PIXELS}")
     x_train, x_test = (np.asarray(x, np.float32) for x in (x_train, x_test))
     if len(x_train) == 0:
-        raise ValueError(f"{name}: no training images; fix: a data folder or subset with at least one")
+        raise ValueError(f"{name}: the training split is empty; fix: a --data_dir whose training split holds "
+                         "images (volumes), or a larger --max_train")
     if pixels == "standardised":
         mean, std = _mean_std(x_train, per_channel=x_train.ndim == 4)  # per channel, else one scalar
         x_train, x_test = (_standardised(x, mean, std) for x in (x_train, x_test))

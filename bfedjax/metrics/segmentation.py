@@ -506,9 +506,12 @@ def checked_regions(regions) -> tuple:
     out = tuple((str(name), tuple(int(c) for c in classes)) for name, classes in regions)
     names = [name for name, _ in out]
     for name, classes in out:
-        if not re.fullmatch(r"[A-Za-z_]\w*", name) or re.fullmatch(r"class\d+", name):
-            raise ValueError(f"region name {name!r} would not make its own metric name dice_<name>; fix: a "
-                             "Python identifier other than class<c> (e.g. 'whole_tumour')")
+        if not re.fullmatch(r"[A-Za-z_]\w*", name):
+            raise ValueError(f"region name {name!r} is not an identifier (it names the metrics dice_<name>, "
+                             "hd95_<name>); fix: a Python identifier such as 'whole_tumour'")
+        if re.fullmatch(r"class\d+", name):
+            raise ValueError(f"region name {name!r} would overwrite the per-class metric dice_{name}; fix: "
+                             "another name (e.g. 'whole_tumour')")
         if names.count(name) > 1:
             raise ValueError(f"region name {name!r} is given {names.count(name)} times; fix: one name per region")
         if not classes or min(classes) < 1:
@@ -560,6 +563,9 @@ def evaluate_batch(logits, masks, weights=None, loss: str = "ce_dice", regions: 
     if num_classes > 2:
         out.update({f"dice_class{c}": wsum(dice_c[:, c - 1]) for c in range(1, num_classes)})
     for name, classes in regions:
+        if max(classes) >= num_classes:
+            raise ValueError(f"region {name!r} has classes {classes}, but the logits have {num_classes} classes; "
+                             f"fix: labels 1..{num_classes - 1}")
         inside = lambda labels: jnp.isin(labels, jnp.asarray(classes))  # noqa: E731
         out[f"dice_{name}"] = wsum(dice(inside(pred), inside(target)))
         out[f"hd95_{name}"] = wsum(hausdorff95(inside(pred), inside(target)))

@@ -415,10 +415,10 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "unet3d": lambda num_classes, hidden=None, softmax_head=False: UNet3D(
         out_channels=_segmentation_channels(num_classes, softmax_head)),
 }
-"""name -> factory ``(num_classes, hidden=None[, dropout_rate]) -> nn.Module``.
+"""name -> factory ``(num_classes, hidden=None[, dropout_rate][, softmax_head]) -> nn.Module``.
 
 ``hidden`` is only used by ``"mlp"`` (default ``(200, 200)``); the other
-entries ignore it. Only the MLPs and ``"resnet20"`` take a ``dropout_rate``.
+entries ignore it. Only the MLPs and ``"resnet20"`` take a ``dropout_rate``, only the U-Nets a ``softmax_head``.
 ``"unet"`` is a segmentation net (``models.unet``): logits ``[B, H, W]`` for
 ``num_classes == 2`` (one foreground logit; with ``softmax_head=True``, get_model's
 ``segmentation_head="softmax"``, two), else ``[B, H, W, num_classes]``;
@@ -446,11 +446,12 @@ def get_model(name: str, num_classes: int, hidden: Sequence[int] | None = None, 
         (``param_dtype``), and the logits are returned as float32: ``"bfloat16"`` is mixed precision.
       segmentation_head: one of ``SEGMENTATION_HEADS``, for ``SEGMENTATION_MODELS`` with binary masks
         (``num_classes == 2``): ``"sigmoid"``, one foreground logit per pixel (``[B, H, W]``), or
-        ``"softmax"``, one logit per class (``[B, H, W, 2]``; the FedRef authors' DRIVE head, which their
-        focal loss scores as two classes). With more classes both are one logit per class.
+        ``"softmax"``, one trainable logit per class (``[B, H, W, 2]``, volumes ``[B, D, H, W, 2]``; the
+        FedRef authors' DRIVE head; with one logit, the losses and metrics read class 0's logit as the
+        constant 0). With more classes both are one logit per class.
 
     Returns:
-      An (unbound) ``flax.linen`` module mapping ``[B, ...] -> [B, K]``.
+      An (unbound) ``flax.linen`` module mapping ``[B, ...] -> [B, K]`` (the U-Nets: per-pixel logits, above).
 
     Raises:
       ValueError: if ``name`` is unknown (the message lists valid names), ``dropout_rate``
@@ -466,10 +467,10 @@ def get_model(name: str, num_classes: int, hidden: Sequence[int] | None = None, 
     if dropout_rate and key not in DROPOUT_MODELS:
         raise ValueError(f"model {name!r} has no dropout layers; fix: use one of {DROPOUT_MODELS} for MC dropout")
     if segmentation_head not in SEGMENTATION_HEADS:
-        raise ValueError(f"segmentation_head={segmentation_head!r}; fix: use one of {SEGMENTATION_HEADS}")
+        raise ValueError(f"unknown segmentation_head={segmentation_head!r}; fix: use one of {SEGMENTATION_HEADS}")
     if segmentation_head == "softmax" and key not in SEGMENTATION_MODELS:
         raise ValueError(f"model {name!r} is a classifier; segmentation_head='softmax' is for "
-                         f"{SEGMENTATION_MODELS}; fix: drop it")
+                         f"{SEGMENTATION_MODELS}; fix: drop segmentation_head or use one of those models")
     options = {"dropout_rate": dropout_rate} if dropout_rate else {}
     if segmentation_head == "softmax":
         options["softmax_head"] = True
