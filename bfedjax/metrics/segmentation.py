@@ -562,7 +562,7 @@ def evaluate_batch(logits, masks, weights=None, loss: str = "ce_dice", regions: 
     }
     if num_classes > 2:
         out.update({f"dice_class{c}": wsum(dice_c[:, c - 1]) for c in range(1, num_classes)})
-    for name, classes in regions:
+    for name, classes in checked_regions(regions):  # names and lower bounds; the upper bound needs the logits
         if max(classes) >= num_classes:
             raise ValueError(f"region {name!r} has classes {classes}, but the logits have {num_classes} classes; "
                              f"fix: labels 1..{num_classes - 1}")
