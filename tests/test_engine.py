@@ -415,10 +415,11 @@ def test_a_task_plugs_in_its_own_evaluate_hook(small_fed):
 
 
 def test_debug_backend_names_the_client_and_the_stage(small_fed, tiny_model):
-    """Two small clients, trained in order by the debug backend (jit off)."""
-    x = np.concatenate([small_fed.client(0)[0], small_fed.client(1)[0]])
-    y = np.concatenate([small_fed.client(0)[1], small_fed.client(1)[1]])
-    n0 = int(small_fed.counts[0])
+    """Two small clients (20 and 40 samples: the debug backend runs every operation eagerly), trained in order by
+    the debug backend (jit off)."""
+    (x0, y0), (x1, y1) = small_fed.client(0), small_fed.client(1)
+    x, y = np.concatenate([x0[:20], x1[:40]]), np.concatenate([y0[:20], y1[:40]])
+    n0 = 20
     fed = bf.data.stack_clients(x, y, [np.arange(n0), np.arange(n0, len(y))], x_test=small_fed.x_test[:50],
                                 y_test=small_fed.y_test[:50], num_classes=10)
     algo = bf.algorithms.fedavg(tiny_model, lr=0.1, batch_size=16)

@@ -164,8 +164,8 @@ def test_fedreg_cnn_uses_pytorch_default_bounds():
     for name, fan_in in (("Conv_0", 25), ("Conv_1", 800), ("Conv_2", 800), ("Dense_0", 576), ("Dense_1", 256)):
         bound = 1 / np.sqrt(fan_in)
         for leaf in (params[name]["kernel"], params[name]["bias"]):
-            assert float(jnp.max(jnp.abs(leaf))) <= bound
-            assert float(jnp.max(jnp.abs(leaf))) > 0.8 * bound  # uniform over the whole interval
+            assert float(np.max(np.abs(leaf))) <= bound  # numpy: no compile per leaf shape
+            assert float(np.max(np.abs(leaf))) > 0.8 * bound  # uniform over the whole interval
 
 
 @pytest.fixture
@@ -186,46 +186,69 @@ def kernel_grad_limit(monkeypatch):
         jax.clear_caches()
 
 
-@pytest.mark.parametrize("size,kernel,stride,padding", [(12, 3, 1, "SAME"), (11, 3, 2, "SAME"), (28, 5, 1, "VALID"),
-                                                        (9, 1, 2, "VALID"), (10, 3, 2, ((1, 1), (1, 1))),
-                                                        (13, 5, 3, "VALID")])
-@pytest.mark.parametrize("implementation", ["matmul_conv", "matmul_trained_conv", "loop_friendly_conv",
-                                            "loop_friendly_conv/matmul_kernel_grad", "per_client_conv",
-                                            "per_client_conv/winograd"])
+ZOO_SHAPES = [(12, 3, 1, "SAME"), (11, 3, 2, "SAME"), (28, 5, 1, "VALID"), (9, 1, 2, "VALID"),
+              (10, 3, 2, ((1, 1), (1, 1))), (13, 5, 3, "VALID")]
+ZOO_IMPLEMENTATIONS = ["matmul_conv", "matmul_trained_conv", "loop_friendly_conv", "loop_friendly_conv/matmul_kernel_grad",
+                       "per_client_conv", "per_client_conv/winograd"]
+
+
+def _zoo_loss(conv, stride, padding, dn):
+    return lambda x, w: jnp.sum(jnp.sin(conv(x, w, (stride, stride), padding, dimension_numbers=dn)))
+
+
+@functools.lru_cache(maxsize=None)
+def _lax_reference(size, kernel, stride, padding):
+    """``(x, w, value, (dx, dw), second-order x-gradient)`` of lax's convolution for one ZOO_SHAPES entry, as
+    numpy arrays: every implementation of a shape is compared with them, so each is compiled once per process
+    (jitted: one compile per function rather than an eager compile per operation)."""
+    from jax import lax
+    x = np.asarray(jax.random.normal(jax.random.PRNGKey(0), (3, size, size, 2)))
+    w = np.asarray(jax.random.normal(jax.random.PRNGKey(1), (kernel, kernel, 2, 4)))
+    dn = lax.conv_dimension_numbers(x.shape, w.shape, ("NHWC", "HWIO", "NHWC"))
+    loss = _zoo_loss(lax.conv_general_dilated, stride, padding, dn)
+    value = jax.jit(loss)(x, w)
+    gradients = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+    second = jax.jit(jax.grad(lambda x: jnp.sum(jax.grad(loss, argnums=1)(x, w) ** 2)))(x)
+    return x, w, np.asarray(value), tuple(np.asarray(g) for g in gradients), np.asarray(second)
+
+
+@pytest.mark.parametrize("size,kernel,stride,padding", ZOO_SHAPES)
+@pytest.mark.parametrize("implementation", ZOO_IMPLEMENTATIONS)
 def test_zoo_convolutions_match_lax(size, kernel, stride, padding, implementation, kernel_grad_limit):
     """The zoo's convolutions (im2col matrix product, also only under grad; custom VJP, with the kernel gradient
     as a convolution or as a matrix product; Winograd F(4x4) alone) give lax's value and both gradients (also
-    when differentiated twice)."""
+    when differentiated twice); the dispatcher gives lax's value (checked once per shape: it is the same call
+    whatever the implementation under test)."""
     from jax import lax
     from bfedjax.models import conv as zoo_conv
     implementation, _, kernel_grad = implementation.partition("/")
+    if kernel_grad == "winograd" and stride != 1:
+        pytest.skip("Winograd convolutions are stride-1")
+    x, w, want_value, want_gradients, want_second = _lax_reference(size, kernel, stride, padding)
     if kernel_grad == "matmul_kernel_grad":  # loop_friendly_conv's kernel gradient as patches^T dy (a GPU's default)
         kernel_grad_limit(2**30)
-    x = jax.random.normal(jax.random.PRNGKey(0), (3, size, size, 2))
-    w = jax.random.normal(jax.random.PRNGKey(1), (kernel, kernel, 2, 4))
     dn = lax.conv_dimension_numbers(x.shape, w.shape, ("NHWC", "HWIO", "NHWC"))
     pads = padding if not isinstance(padding, str) else lax.padtype_to_pads((size, size), (kernel, kernel),
                                                                             (stride, stride), padding)
     impl = getattr(zoo_conv, implementation)
     if kernel_grad == "winograd":
-        if stride != 1:
-            pytest.skip("Winograd convolutions are stride-1")
         impl = functools.partial(impl, precision=None, winograd=4)
     fast = lambda x, w, strides, padding, dimension_numbers: impl(x, w, strides, tuple(map(tuple, pads)))
-    loss = lambda conv: lambda x, w: jnp.sum(jnp.sin(conv(x, w, (stride, stride), padding, dimension_numbers=dn)))
-    np.testing.assert_allclose(loss(fast)(x, w), loss(lax.conv_general_dilated)(x, w), rtol=1e-5)
-    np.testing.assert_allclose(loss(zoo_conv.conv_general_dilated)(x, w), loss(lax.conv_general_dilated)(x, w),
-                               rtol=1e-5)  # the dispatcher
-    for got, want in zip(jax.grad(loss(fast), argnums=(0, 1))(x, w),
-                         jax.grad(loss(lax.conv_general_dilated), argnums=(0, 1))(x, w)):
+    loss = _zoo_loss(fast, stride, padding, dn)
+    # every function jitted: one compile each rather than an eager compile per operation (5x faster)
+    np.testing.assert_allclose(jax.jit(loss)(x, w), want_value, rtol=1e-5)
+    if implementation == ZOO_IMPLEMENTATIONS[0]:  # the dispatcher
+        np.testing.assert_allclose(jax.jit(_zoo_loss(zoo_conv.conv_general_dilated, stride, padding, dn))(x, w),
+                                   want_value, rtol=1e-5)
+    for got, want in zip(jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w), want_gradients):
         # float32 rounding scales with the gradient (up to about 30 here): both sides differ from a float64
         # reference by up to 3e-5 on some CPUs, a wrong gradient by O(1); Winograd F(4x4, 5x5)'s transforms
         # (entries up to 16) round about 5x more
-        scale = (5e-5 if kernel_grad == "winograd" else 1e-5) * float(jnp.max(jnp.abs(want)))
+        scale = (5e-5 if kernel_grad == "winograd" else 1e-5) * float(np.max(np.abs(want)))
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=scale)
-    second = lambda conv: jax.grad(lambda x: jnp.sum(jax.grad(loss(conv), argnums=1)(x, w) ** 2))(x)
-    want = second(lax.conv_general_dilated)  # entries up to about 2,000: cancellation errors of 0.01 near 0
-    np.testing.assert_allclose(second(fast), want, rtol=1e-3, atol=3e-5 * float(jnp.max(jnp.abs(want))))
+    second = jax.jit(jax.grad(lambda x: jnp.sum(jax.grad(loss, argnums=1)(x, w) ** 2)))(x)
+    # entries up to about 2,000: cancellation errors of 0.01 near 0
+    np.testing.assert_allclose(second, want_second, rtol=1e-3, atol=3e-5 * float(np.max(np.abs(want_second))))
 
 
 @pytest.mark.parametrize("size,kernel,stride,pads", [(12, 3, 1, ((1, 1), (1, 1))), (11, 5, 2, ((2, 2), (2, 2))),
@@ -240,13 +263,14 @@ def test_shifted_depthwise_conv_matches_lax_and_a_client_vmap_has_no_convolution
     dn = ("NHWC", "HWIO", "NHWC")
     loss = lambda conv: lambda x, w: jnp.sum(jnp.sin(conv(x, w, (stride, stride), pads, dimension_numbers=dn,
                                                              feature_group_count=6)))
-    np.testing.assert_allclose(loss(zoo_conv.conv_general_dilated)(x, w), loss(lax.conv_general_dilated)(x, w),
-                               rtol=1e-5)
+    # every function jitted: one compile each rather than an eager compile per operation
+    want_value = jax.jit(loss(lax.conv_general_dilated))(x, w)
+    np.testing.assert_allclose(jax.jit(loss(zoo_conv.conv_general_dilated))(x, w), want_value, rtol=1e-5)
     shifted = lambda x, w, strides, padding, dimension_numbers, feature_group_count: (  # noqa: E731
         zoo_conv.shifted_depthwise_conv(x, w, strides, padding))
-    np.testing.assert_allclose(loss(shifted)(x, w), loss(lax.conv_general_dilated)(x, w), rtol=1e-5)
-    for got, want in zip(jax.grad(loss(shifted), argnums=(0, 1))(x, w),
-                         jax.grad(loss(lax.conv_general_dilated), argnums=(0, 1))(x, w)):
+    np.testing.assert_allclose(jax.jit(loss(shifted))(x, w), want_value, rtol=1e-5)
+    for got, want in zip(jax.jit(jax.grad(loss(shifted), argnums=(0, 1)))(x, w),
+                         jax.jit(jax.grad(loss(lax.conv_general_dilated), argnums=(0, 1)))(x, w)):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(want))))
     per_client = jax.vmap(jax.grad(loss(shifted), argnums=1), in_axes=(None, 0))
     text = jax.jit(per_client).lower(x, jnp.stack([w, 2 * w])).as_text()
@@ -255,7 +279,8 @@ def test_shifted_depthwise_conv_matches_lax_and_a_client_vmap_has_no_convolution
     xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
     exact = lax.conv_general_dilated(xb.astype(jnp.float32), wb.astype(jnp.float32), (stride, stride), pads,
                                      dimension_numbers=dn, feature_group_count=6)
-    got = zoo_conv.conv_general_dilated(xb, wb, (stride, stride), pads, dimension_numbers=dn, feature_group_count=6)
+    got = jax.jit(lambda xb, wb: zoo_conv.conv_general_dilated(xb, wb, (stride, stride), pads, dimension_numbers=dn,
+                                                              feature_group_count=6))(xb, wb)
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(got.astype(jnp.float32), exact, atol=2**-7 * float(jnp.max(jnp.abs(exact))))
     # cropping pads and a kernel larger than the padded input go to lax (which crops or returns an empty map)
@@ -296,9 +321,10 @@ def test_per_client_conv_is_a_convolution_alone_and_a_batched_product_under_a_cl
     alone, vmapped = hlo(grads(conv), xs[0], ws[0]), hlo(jax.vmap(grads(conv)), xs, ws)
     assert alone.count("stablehlo.convolution") == 3 and "stablehlo.dot_general" not in alone
     assert "stablehlo.convolution" not in vmapped and vmapped.count("stablehlo.dot_general") == 3
-    for got, want in zip(jax.vmap(grads(conv))(xs, ws), jax.vmap(grads(ref))(xs, ws)):
+    # jitted: one compile each rather than an eager compile per operation
+    for got, want in zip(jax.jit(jax.vmap(grads(conv)))(xs, ws), jax.jit(jax.vmap(grads(ref)))(xs, ws)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    second = lambda c: jax.vmap(lambda x, w: jax.grad(lambda x: jnp.sum(grads(c)(x, w)[1] ** 2))(x))(xs, ws)
+    second = lambda c: jax.jit(jax.vmap(lambda x, w: jax.grad(lambda x: jnp.sum(grads(c)(x, w)[1] ** 2))(x)))(xs, ws)
     want = second(ref)
     np.testing.assert_allclose(second(conv), want, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(want))))
 
@@ -325,13 +351,14 @@ def test_kernel_gradient_under_a_client_vmap_is_a_batched_matrix_product(kernel_
     def convolutions(limit):
         kernel_grad_limit(limit)
         names = primitive_names(jax.make_jaxpr(grads)(xs, ws).jaxpr)
-        return names.count("conv_general_dilated"), names.count("dot_general"), grads(xs, ws)
+        return names.count("conv_general_dilated"), names.count("dot_general")
 
-    (convs, dots, _), (convs_mm, dots_mm, got) = convolutions(-1), convolutions(2**30)
+    (convs, dots), (convs_mm, dots_mm) = convolutions(-1), convolutions(2**30)
+    got = jax.jit(grads)(xs, ws)  # with the patches^T dy kernel gradient (the limit stays 2**30)
     assert (convs, convs_mm) == (3, 2) and dots_mm > dots
     lax_conv = lambda x, w, strides, pads: jax.lax.conv_general_dilated(x, w, strides, pads,
                                                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
-    for g, want in zip(got, jax.vmap(jax.grad(loss(lax_conv), argnums=(0, 1)))(xs, ws)):
+    for g, want in zip(got, jax.jit(jax.vmap(jax.grad(loss(lax_conv), argnums=(0, 1))))(xs, ws)):
         np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-5)
 
 
@@ -346,7 +373,8 @@ def test_per_client_conv_alone_takes_winograd_with_asymmetric_padding():
     loss = lambda conv: lambda x, w: jnp.sum(jnp.sin(conv(x, w)))
     fast = loss(lambda x, w: per_client_conv(x, w, (1, 1), pads, None, 4))
     ref = loss(lambda x, w: lax.conv_general_dilated(x, w, (1, 1), pads, dimension_numbers=("NHWC", "HWIO", "NHWC")))
-    (value, grads), (want_value, want_grads) = (jax.value_and_grad(f, (0, 1))(x, w) for f in (fast, ref))
+    # jitted: one compile each rather than an eager compile per operation
+    (value, grads), (want_value, want_grads) = (jax.jit(jax.value_and_grad(f, (0, 1)))(x, w) for f in (fast, ref))
     np.testing.assert_allclose(value, want_value, atol=1e-4)  # the forward under grad: Winograd's (a sum of 270 sines)
     for got, want in zip(grads, want_grads):
         assert got.shape == want.shape
@@ -373,7 +401,7 @@ def test_fedreg_cnn_gradient_with_winograd_matches_xla_convolutions(monkeypatch)
     def gradient(tiles):
         monkeypatch.setitem(conv.WINOGRAD_TILES, "cpu", tiles)
         jax.clear_caches()  # the table is read when the model is traced
-        return jax.grad(loss)(params), set(primitive_names(jax.make_jaxpr(jax.grad(loss))(params).jaxpr))
+        return jax.jit(jax.grad(loss))(params), set(primitive_names(jax.make_jaxpr(jax.grad(loss))(params).jaxpr))
 
     try:
         (with_winograd, winograd_ops), (without, xla_ops) = gradient({5: 4}), gradient({})
@@ -382,7 +410,7 @@ def test_fedreg_cnn_gradient_with_winograd_matches_xla_convolutions(monkeypatch)
         jax.clear_caches()
     assert "conv_general_dilated" not in winograd_ops and "conv_general_dilated" in xla_ops
     for got, want in zip(jax.tree.leaves(with_winograd), jax.tree.leaves(without)):
-        np.testing.assert_allclose(got, want, atol=1e-4 * float(jnp.max(jnp.abs(want))) + 1e-7)
+        np.testing.assert_allclose(got, want, atol=1e-4 * float(np.max(np.abs(want))) + 1e-7)
 
 
 def test_zoo_conv_takes_im2col_only_for_trained_patch_matrices_that_fit():
@@ -411,10 +439,10 @@ def test_zoo_conv_takes_im2col_only_for_trained_patch_matrices_that_fit():
         assert conv.winograd_tile(w.astype(jnp.bfloat16), (1, 1), "cpu") is None  # float32 only
         found3 = names(lambda w, x: trained(w3, x), jnp.zeros((10, 26, 26, 32)))
         assert "conv_general_dilated" in found3 and "dot_general" not in found3
-        per_client = jax.vmap(trained)(jnp.zeros((2,) + w.shape), jnp.zeros((2,) + small.shape))
-        assert per_client.shape == (2,) + w.shape
-        lowered = jax.jit(jax.vmap(trained)).lower(jnp.zeros((2,) + w.shape), jnp.zeros((2,) + small.shape)).as_text()
-        assert "stablehlo.convolution" not in lowered and "stablehlo.dot_general" in lowered
+        stacked = (jnp.zeros((2,) + w.shape), jnp.zeros((2,) + small.shape))
+        lowered = jax.jit(jax.vmap(trained)).lower(*stacked)  # the program that runs, compiled once
+        assert lowered.compile()(*stacked).shape == (2,) + w.shape
+        assert "stablehlo.convolution" not in lowered.as_text() and "stablehlo.dot_general" in lowered.as_text()
         assert "conv_general_dilated" in names(lambda w, x: call(x, w), small)  # evaluation: no patches
     assert "dot_general" not in names(trained, large)  # loop_friendly_conv (a custom VJP around lax's conv)
 
@@ -574,7 +602,8 @@ def test_mcmahan_cnn_trains_in_one_vmapped_round():
     assert res.clients_per_chunk is None  # one vmap over the cohort
     final = res.state.server["params"]
     assert jax.tree.structure(final) == jax.tree.structure(init)
-    changed = [float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(final), jax.tree.leaves(init))]
+    changed = [float(np.max(np.abs(np.asarray(a) - np.asarray(b))))  # numpy: no compile per leaf shape
+               for a, b in zip(jax.tree.leaves(final), jax.tree.leaves(init))]
     assert min(changed) > 0 and np.all(np.isfinite(changed))  # every layer trained
     loss = jax.jit(lambda p: bf.losses.masked_mean_cross_entropy(
         bf.models.apply_fn_of(model), p, bf.core.Batch(images, labels, np.ones(18, np.float32))))

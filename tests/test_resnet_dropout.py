@@ -30,7 +30,7 @@ def test_resnet20_parameter_count(shortcut, expected):
 
 def test_batchnorm_statistics_ignore_padded_rows():
     params = bf.models.init_params(SMALL, (8, 8, 1), jax.random.PRNGKey(0))
-    train = model_apply.train_apply_fn_of(SMALL)
+    train = jax.jit(model_apply.train_apply_fn_of(SMALL))  # one compile per batch shape, not one per operation
     x = jax.random.normal(jax.random.PRNGKey(1), (6, 8, 8, 1))
     poisoned = jnp.concatenate([x, jnp.full((4, 8, 8, 1), 1e6)])
     mask = jnp.concatenate([jnp.ones(6), jnp.zeros(4)])
@@ -66,6 +66,8 @@ def tiny_fed():
 
 
 def _both_backends(algo, fed):
+    # training only (no evaluation hook to compile in either backend): the tests compare the server states
+    algo = algo.replace(evaluate=None)
     runs = [bf.simulate(algo, fed, rounds=1, key=jax.random.PRNGKey(0), evaluate_local=False, backend=b)
             for b in ("vmap", "sequential")]
     return [r.state.server for r in runs]
@@ -101,7 +103,7 @@ def test_variational_resnet_kernels_only_and_parity(tiny_fed):
     chex.assert_trees_all_close(vmapped["scale"], sequential["scale"], atol=1e-5)
     scale = traverse_util.flatten_dict(vmapped["scale"])
     for path, s in scale.items():  # BatchNorm leaves and statistics stay deterministic
-        assert (float(jnp.max(s)) > 0) == (".".join(path) in vi.variational), path
+        assert (float(np.max(s)) > 0) == (".".join(path) in vi.variational), path  # numpy: no compile per shape
     stats = vmapped["params"]["batch_stats"]["_Unit_0"]["BatchNorm_0"]
     assert np.all(np.isfinite(stats["var"])) and not np.allclose(stats["var"], 1.0)
     probs = vi.predict_proba(vmapped, jnp.asarray(tiny_fed.x_test[:7]), jax.random.PRNGKey(3), 3)

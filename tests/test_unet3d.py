@@ -75,14 +75,15 @@ def test_fedref_fets_configuration_has_pytorch_3dunets_parameter_count():
 def test_logits_match_the_torch_layer_table_on_odd_sizes():
     model = bf.models.UNet3D(features=4, levels=4, num_groups=4, out_channels=3)
     x = np.random.default_rng(0).normal(size=(2, 11, 12, 10, 1)).astype(np.float32)  # 11 -> 5 -> 2 -> 1
-    params = model.init(jax.random.PRNGKey(1), jnp.asarray(x))["params"]
+    # jitted init, perturbation and forward: one compile each rather than an eager compile per operation
+    params = jax.jit(model.init)(jax.random.PRNGKey(1), jnp.asarray(x))["params"]
     # move GroupNorm's scale and offset off 1 and 0, so the test sees their placement
-    params = jax.tree_util.tree_map_with_path(
+    params = jax.jit(lambda params: jax.tree_util.tree_map_with_path(
         lambda p, v: v + 0.1 * jax.random.normal(jax.random.PRNGKey(len(str(p))), v.shape)
-        if p[0].key.startswith("GroupNorm") else v, params)
+        if p[0].key.startswith("GroupNorm") else v, params))(params)
     modules, forward = _torch_unet3d(1, 3, 4, 4, 4)
     _copy(params, modules)
-    ours = np.asarray(model.apply({"params": params}, jnp.asarray(x)))
+    ours = np.asarray(jax.jit(model.apply)({"params": params}, jnp.asarray(x)))
     with torch.no_grad():
         ref = forward(torch.from_numpy(x.transpose(0, 4, 1, 2, 3))).numpy().transpose(0, 2, 3, 4, 1)
     assert ours.shape == (2, 11, 12, 10, 3)
@@ -92,7 +93,7 @@ def test_logits_match_the_torch_layer_table_on_odd_sizes():
 
 def test_initialisation_is_torchs_default_with_a_xavier_head():
     model = bf.models.UNet3D(features=4, levels=2, out_channels=1)
-    params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 4, 4, 4, 1)))["params"]
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), jnp.zeros((1, 4, 4, 4, 1)))["params"]  # one compile
     head = params[max((k for k in params if k.startswith("Conv")), key=lambda k: int(k.rsplit("_", 1)[1]))]
     assert not jnp.any(head["bias"]) and head["kernel"].shape == (1, 1, 1, 4, 1)
     bound = float(np.sqrt(6 / (4 + 1)))  # Xavier uniform, fan_in 4, fan_out 1
@@ -113,8 +114,8 @@ def test_nearest_resize_is_torchs_nearest():
 
 def test_binary_head_and_input_errors():
     model = bf.models.UNet3D(features=4, levels=2)
-    params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 4, 4, 2, 1)))
-    assert model.apply(params, jnp.ones((2, 4, 4, 2, 1))).shape == (2, 4, 4, 2)
+    params = jax.jit(model.init)(jax.random.PRNGKey(0), jnp.zeros((1, 4, 4, 2, 1)))  # jitted: one compile each
+    assert jax.jit(model.apply)(params, jnp.ones((2, 4, 4, 2, 1))).shape == (2, 4, 4, 2)
     with pytest.raises(ValueError, match="x\\[..., None\\]"):
         model.apply(params, jnp.ones((2, 4, 4, 2)))
     with pytest.raises(ValueError, match="levels >= 2"):
@@ -131,10 +132,12 @@ def test_segmentation_task_evaluates_volumes_in_voxel_bounded_batches(monkeypatc
     params = task.init_params(jax.random.PRNGKey(0), x.shape[1:])
     fets = jax.ShapeDtypeStruct((1, 155, 240, 240, 1), jnp.float32)
     assert tasks._segmentation_batch(x, 50) == 50 and tasks._segmentation_batch(fets, 50) == 1
-    whole = task.evaluate(params, x, y)
+    # jitted (as the engine runs it): one compile each rather than an eager compile per operation; a new lambda
+    # each time, so the second is traced afresh with the patched batch size
+    whole = jax.jit(lambda params, x, y: task.evaluate(params, x, y))(params, x, y)
     monkeypatch.setattr(tasks, "SEGMENTATION_EVAL_VOXELS", 2 * 8 * 8 * 6)  # two volumes a batch: 3 batches, one padded
     assert tasks._segmentation_batch(x, 50) == 2
-    pieces = task.evaluate(params, x, y)
+    pieces = jax.jit(lambda params, x, y: task.evaluate(params, x, y))(params, x, y)
     for name in ("dice", "iou", "hd95", "loss"):
         np.testing.assert_allclose(pieces[name], whole[name], rtol=1e-5, atol=1e-6)
     assert float(whole["hd95"]) > 0
@@ -149,14 +152,15 @@ def test_segmentation_task_with_classes_uses_the_authors_loss():
     y = jnp.asarray(rng.integers(0, 4, size=(3, 8, 8, 6)), jnp.int32)
     task = bf.tasks.segmentation(model, loss="dice_focal")
     params = task.init_params(jax.random.PRNGKey(0), x.shape[1:])
-    logits = task.apply_fn(params, x)
+    # every function jitted (as the engine runs them): one compile each rather than an eager compile per operation
+    logits = jax.jit(task.apply_fn)(params, x)
     assert logits.shape == (3, 8, 8, 6, 4)
     mask = jnp.asarray([1.0, 1.0, 0.0])
-    loss = task.loss(params, Batch(x=x, y=y, mask=mask))
-    np.testing.assert_allclose(loss, S.dice_focal_loss(logits[:2], y[:2]), rtol=1e-5)
-    scores = task.evaluate(params, x, y)
+    loss = jax.jit(task.loss)(params, Batch(x=x, y=y, mask=mask))
+    np.testing.assert_allclose(loss, jax.jit(S.dice_focal_loss)(logits[:2], y[:2]), rtol=1e-5)
+    scores = jax.jit(task.evaluate)(params, x, y)
     assert {"dice_class1", "dice_class2", "dice_class3"} <= set(scores) and "dice_class4" not in scores
-    probs = task.predict(params, x, jax.random.PRNGKey(1), 1)
+    probs = jax.jit(task.predict, static_argnums=3)(params, x, jax.random.PRNGKey(1), 1)
     assert probs.shape == (1, 3, 8, 8, 6, 4)
     np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
     np.testing.assert_array_equal(jnp.argmax(probs[0], -1), jnp.argmax(logits, -1))

@@ -36,13 +36,14 @@ def test_winograd_conv_gives_lax_value_and_gradients(m, shape, kernel):
     x = jax.random.normal(jax.random.PRNGKey(0), shape)
     w = jax.random.normal(jax.random.PRNGKey(1), kernel) * 0.2
     ref = lambda x, w: lax.conv_general_dilated(x, w, (1, 1), "VALID", dimension_numbers=NHWC)
-    got = winograd.winograd_conv(x, w, m)
-    want = ref(x, w)
+    fast = lambda x, w: winograd.winograd_conv(x, w, m)
+    # every function jitted: one compile each rather than an eager compile per operation
+    got, want = jax.jit(fast)(x, w), jax.jit(ref)(x, w)
     assert got.shape == want.shape
     scale = float(jnp.max(jnp.abs(want)))
     np.testing.assert_allclose(got, want, atol=3e-5 * scale)
-    np.testing.assert_allclose(winograd.winograd_forward(x, w, m), want, atol=3e-5 * scale)
+    np.testing.assert_allclose(jax.jit(winograd.winograd_forward, static_argnums=2)(x, w, m), want, atol=3e-5 * scale)
     loss = lambda conv: lambda x, w: jnp.sum(jnp.sin(conv(x, w)))
-    fast = lambda x, w: winograd.winograd_conv(x, w, m)
-    for got, want in zip(jax.grad(loss(fast), (0, 1))(x, w), jax.grad(loss(ref), (0, 1))(x, w)):
+    gradients = lambda conv: jax.jit(jax.grad(loss(conv), (0, 1)))(x, w)
+    for got, want in zip(gradients(fast), gradients(ref)):
         np.testing.assert_allclose(got, want, atol=5e-5 * float(jnp.max(jnp.abs(want))))
