@@ -32,8 +32,17 @@ def _pil(fn, images):
     return np.stack([np.asarray(fn(Image.fromarray(image))) for image in images]).astype(np.int32)
 
 
+@functools.lru_cache(maxsize=None)
+def _jitted(fn, static: tuple = (), **options):
+    """``fn`` under ``jax.jit`` (``static``: positions of its static arguments, ``options``: keyword arguments
+    bound first), one wrapper per function: one compilation per shape instead of one per operation, as the
+    library's operations run inside the jitted round."""
+    return jax.jit(functools.partial(fn, **options) if options else fn, static_argnums=static)
+
+
 def _ours(fn, images, *args):
-    return np.asarray(fn(jnp.asarray(images, jnp.int32), *args))
+    static = tuple(i + 1 for i, a in enumerate(args) if isinstance(a, (int, str)))  # fill levels, shear axes
+    return np.asarray(_jitted(fn, static)(jnp.asarray(images, jnp.int32), *args))
 
 
 def _rotate_with_fill(image, degrees):  # the authors' port: RGBA rotation composited over grey
@@ -169,8 +178,8 @@ def test_cifar10_policy_matches_the_authors_pillow_subpolicies():
     subpolicy = np.arange(len(x)) % len(policy)  # every sub-policy, 3-4 times
     applied = rng.random((len(x), 2)) < 0.8
     negative = rng.random((len(x), 2)) < 0.5
-    ours = np.asarray(autoaugment.apply_policy(jnp.asarray(x, jnp.int32), jnp.asarray(subpolicy),
-                                               jnp.asarray(applied), jnp.asarray(negative)))
+    ours = np.asarray(_jitted(autoaugment.apply_policy)(jnp.asarray(x, jnp.int32), jnp.asarray(subpolicy),
+                                                        jnp.asarray(applied), jnp.asarray(negative)))
     ref = np.stack([np.asarray(_pil_subpolicy(Image.fromarray(image), policy[s], a, n))
                     for image, s, a, n in zip(x, subpolicy, applied, negative)]).astype(np.int32)
     sheared = np.array([any(applied[i, slot] and policy[s][3 * slot + 1] in ("shearX", "shearY") for slot in (0, 1))
@@ -199,15 +208,16 @@ def test_cifar10_policy_table_facts():
 
 def test_policy_draws_follow_the_probabilities():
     policy = ((1.0, "invert", 0, 0.3, "posterize", 0), (0.0, "invert", 0, 0.0, "invert", 0))
+    random_policy = _jitted(autoaugment.random_policy, (2,))
     x = jnp.full((4000, 4, 4, 3), 100, jnp.int32)
-    out = np.asarray(autoaugment.random_policy(x, jax.random.PRNGKey(0), policy))[:, 0, 0, 0]
+    out = np.asarray(random_policy(x, jax.random.PRNGKey(0), policy))[:, 0, 0, 0]
     inverted = out == 155
     # sub-policy 0 (half the images) always inverts, then posterizes to 8 bits (no change) - every level stays 155
     assert abs(inverted.mean() - 0.5) < 0.03
-    posterized = autoaugment.random_policy(x, jax.random.PRNGKey(1), ((0.3, "posterize", 9, 0.0, "invert", 0),))
+    posterized = random_policy(x, jax.random.PRNGKey(1), ((0.3, "posterize", 9, 0.0, "invert", 0),))
     assert abs(float(jnp.mean(posterized[:, 0, 0, 0] == 96)) - 0.3) < 0.03  # 4 bits: 100 -> 96
-    signs = autoaugment.random_policy(jnp.asarray(_images()[:1].repeat(400, 0), jnp.int32), jax.random.PRNGKey(2),
-                                      ((1.0, "translateX", 9, 0.0, "invert", 0),))
+    signs = random_policy(jnp.asarray(_images()[:1].repeat(400, 0), jnp.int32), jax.random.PRNGKey(2),
+                          ((1.0, "translateX", 9, 0.0, "invert", 0),))
     left = np.all(np.asarray(signs)[:, :, :14] == 128, axis=(1, 2, 3))  # negative shifts uncover the left side
     right = np.all(np.asarray(signs)[:, :, -14:] == 128, axis=(1, 2, 3))
     assert abs(left.mean() - 0.5) < 0.08 and np.all(left ^ right)
@@ -221,7 +231,7 @@ def test_policy_rejects_unknown_operations():
 
 def test_cutout_zeroes_one_clipped_square_per_image():
     x = jnp.ones((2000, 32, 32, 1))
-    holes = np.asarray(bf.data.cutout(x, jax.random.PRNGKey(0), length=16)[..., 0] == 0)
+    holes = np.asarray(_jitted(bf.data.cutout, length=16)(x, jax.random.PRNGKey(0))[..., 0] == 0)
     rows, cols = holes.any(axis=2), holes.any(axis=1)
     heights, widths = rows.sum(1), cols.sum(1)
     np.testing.assert_array_equal(holes.sum((1, 2)), heights * widths)  # a filled rectangle
@@ -235,8 +245,8 @@ def test_autoaugment_cutout_recovers_levels_and_restandardises():
     mean, std = (0.4914, 0.4822, 0.4465), (0.247, 0.243, 0.261)
     x = ((levels / 255.0 - np.array(mean)) / np.array(std)).astype(np.float32)
     identity = ((0.0, "invert", 0, 0.0, "invert", 0),)
-    out = np.asarray(autoaugment.autoaugment_cutout(jnp.asarray(x), jax.random.PRNGKey(0), pixel_norm=(mean, std),
-                                                    padding=0, cutout_length=0, policy=identity))
+    out = np.asarray(_jitted(autoaugment.autoaugment_cutout, pixel_norm=(mean, std), padding=0, cutout_length=0,
+                             policy=identity)(jnp.asarray(x), jax.random.PRNGKey(0)))
     mirrored = np.all(np.abs(out - x[:, :, ::-1]) < 1e-5, axis=(1, 2, 3))
     kept = np.all(np.abs(out - x) < 1e-5, axis=(1, 2, 3))
     assert np.all(mirrored | kept) and 0 < mirrored.mean() < 1
@@ -244,7 +254,8 @@ def test_autoaugment_cutout_recovers_levels_and_restandardises():
 
 def test_autoaugment_cutout_pads_grey_and_cuts_black():
     x = jnp.full((600, 32, 32, 3), 1.0)  # white, FOLA's standardisation (level 255)
-    out = np.asarray(bf.data.autoaugment_cutout(x, jax.random.PRNGKey(3), policy=((0.0, "invert", 0, 0.0, "invert", 0),)))
+    out = np.asarray(_jitted(bf.data.autoaugment_cutout, policy=((0.0, "invert", 0, 0.0, "invert", 0),))(
+        x, jax.random.PRNGKey(3)))
     levels = np.round((out * 0.5 + 0.5) * 255).astype(int)
     assert set(np.unique(levels)) == {0, 128, 255}  # cutout black, crop border grey, image white
     assert np.mean(np.any(levels == 128, axis=(1, 2, 3))) > 0.8  # a crop offset of 0 x 0 is 1 in 81

@@ -165,7 +165,9 @@ def test_every_option_flag_is_an_option_of_its_algorithms():
 
 def test_bench_quick_smoke_and_resume(tmp_path):
     from experiments import bench_report as bench
-    flags = ["--only=mlp K=10 B=10", "--rounds=1", "--algorithms=fedavg", "--cpu_chunks=", f"--output_dir={tmp_path}"]
+    # 10 samples a client (one local step): the rounds timed in turn (10 + 1 of each layout, twice) run a tenth as long
+    flags = ["--only=mlp K=10 B=10", "--rounds=1", "--algorithms=fedavg", "--cpu_chunks=", "--samples_per_client=10",
+             f"--output_dir={tmp_path}"]
     _script("experiments.bench", "--backends=vmap", *flags)
     first = json.loads((tmp_path / "bench.json").read_text())
     # The one-vmap row, and the default layout's row (the layout simulate picks; one vmap where the cohort fits).

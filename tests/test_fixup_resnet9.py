@@ -85,9 +85,12 @@ def test_forward_and_gradients_match_the_spec_in_pytorch(initial):
         leaf + (0.3 if leaf.size == 1 else 0.02) * jax.random.normal(k, leaf.shape) for leaf, k in zip(leaves, keys)])
     x = np.asarray(jax.random.normal(jax.random.PRNGKey(3), (2, 32, 32, 3)))
     model = FixupResNet9(num_classes=10)
-    loss = lambda q: jnp.sum(jnp.sin(model.apply({"params": q}, x)))  # noqa: E731
-    logits = jax.jit(lambda q: model.apply({"params": q}, x))(params)  # jitted: one compile, not one per operation
-    grads = jax.jit(jax.grad(loss))(params)
+    def loss(q):
+        logits = model.apply({"params": q}, x)
+        return jnp.sum(jnp.sin(logits)), logits
+
+    # the logits and the gradient from one jitted program: one compile, not one per operation
+    grads, logits = jax.jit(jax.grad(loss, has_aux=True))(params)
 
     torch_params = jax.tree.map(lambda a: torch.tensor(np.asarray(a), dtype=torch.float64, requires_grad=True),
                                 params)
