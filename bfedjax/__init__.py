@@ -23,8 +23,8 @@ import importlib
 
 __version__ = "0.1.0"
 
-_SUBPACKAGES = ("algorithms", "core", "data", "laplace", "losses", "metrics", "models", "plots", "posteriors",
-                "privacy", "tasks", "tree", "vi")
+_SUBPACKAGES = ("algorithms", "core", "data", "laplace", "losses", "metrics", "models", "order_statistics", "plots",
+                "posteriors", "privacy", "tasks", "tree", "vi")
 _FROM_CORE = ("Algorithm", "simulate")
 
 __all__ = list(_FROM_CORE) + list(_SUBPACKAGES)

@@ -1,4 +1,4 @@
-r"""Sums over model-sized arrays: the library's forms against XLA's plain reductions, on this machine.
+r"""Sums and the median over model-sized arrays: the library's forms against XLA's plain ones, on this machine.
 
     python -m experiments.bench_reductions                                   # about a minute on 2 CPU cores
     python -m experiments.bench_reductions --output=results/bench/reductions.md
@@ -17,7 +17,10 @@ sum in the library's form and in the plain ``jnp.sum`` form:
   * DP-SGD step: ``privacy.dp.private_gradient`` against the same maths with ``jnp.sum`` for the
     per-example norms and the clipped sum;
   * finite check: a FOLA round (100 clients in turn, B = 50), each client's message checked by
-    ``core.engine.finite_rows`` or with ``jnp.all(jnp.isfinite(...))`` per leaf, the two rounds taken in turn.
+    ``core.engine.finite_rows`` or with ``jnp.all(jnp.isfinite(...))`` per leaf, the two rounds taken in turn;
+  * median: of the MLP's 199,210 precisions (FOLA's ``precision_median`` diagnostic, on by default), by
+    ``order_statistics.median`` (no sort) or ``jnp.median`` (XLA's sort), alone and in FOLA's round as
+    above with its diagnostics on.
 
 Prints the fastest of ``--repeats`` runs (per iteration; per round for the finite check) and the
 speed-up; on a GPU both forms are ``jnp.sum`` (``row_sums`` keeps the product for CPUs).
@@ -121,19 +124,21 @@ def loops(model, params, batch):
             "DP-SGD step": (dp_loop(private_gradient), dp_loop(plain_private_gradient))}
 
 
-def finite_check_round_ms(fed_images) -> tuple[float, float]:
+def fola_round_ms(fed_images, swap, diagnostics: bool = False) -> tuple[float, float]:
     """``(library, plain)``: FOLA's default-layout round (100 clients x 100 images, B = 50, in turn on every
-    core), its clients' messages checked by ``core.engine.finite_rows`` or by ``plain_finite_rows`` (swapped
-    in while the round is compiled), the two rounds taken in turn; fastest of ``--repeats`` ms each."""
+    core; ``diagnostics``: with its per-round precision diagnostics, the default), compiled as it is and with
+    ``swap`` (a ``mock.patch`` of the library's form by the plain one) active, the two rounds taken in turn;
+    fastest of ``--repeats`` ms each."""
+    import bfedjax as bf
     from experiments import bench
-    from bfedjax.core import engine
-    from bfedjax.models import get_model
     config = bench.Config("mlp K=100 B=50", "uniform", 100, 50, clients_per_chunk=1)
     fed = bench.federate(fed_images, config)
-    algorithm = bench.make_algorithm("fola", get_model("mlp", 10, hidden=(200, 200)), fed, 50)
+    model = bf.models.get_model("mlp", 10, hidden=(200, 200))
+    algorithm = bf.algorithms.build("fola", model, fed, batch_size=50, lr=0.01, precision_diagnostics=diagnostics)
+    algorithm = algorithm.replace(evaluate=None)  # rounds train only, as in experiments.bench
     devices = bench.default_devices(fed, 1)
     library = bench.prepared_round(algorithm, fed, config, "vmap", True, devices)
-    with mock.patch.object(engine, "finite_rows", plain_finite_rows):
+    with swap:  # the round is traced and compiled here
         plain = bench.prepared_round(algorithm, fed, config, "vmap", True, devices)
     best = bench.time_in_turn({"library": (algorithm, library), "plain": (algorithm, plain)}, FLAGS.repeats)
     return 1e3 * best["library"], 1e3 * best["plain"]
@@ -165,14 +170,24 @@ def main(argv):
     device = jax.devices()[0]
     lines = [f"Device: {device.platform} ({device.device_kind}); MLP 784-200-200-10, B = {FLAGS.batch_size}; "
              f"ms per iteration, fastest of {FLAGS.repeats} runs of {FLAGS.steps}.", "",
-             "| sum | library (ms) | jnp.sum (ms) | speed-up |", "|---|---|---|---|"]
+             "| sum | library (ms) | jnp.sum / jnp.median (ms) | speed-up |", "|---|---|---|---|"]
     for name, (library, plain) in loops(model, params, batch).items():
         fast, slow = (fastest_ms(jax.jit(fn), params, jax.random.PRNGKey(2)) for fn in (library, plain))
         lines.append(f"| {name} | {fast:.3f} | {slow:.3f} | {slow / fast:.2f}x |")
         print(lines[-1], flush=True)
-    fast, slow = finite_check_round_ms(bench.load_images())
-    lines.append(f"| finite check: FOLA round, 100 clients x 100 images, B = 50, in turn on {devices} devices "
-                 f"(rounds alternated) | {fast:.1f} | {slow:.1f} | {slow / fast:.2f}x |")
+    images, fola_module = bench.load_images(), sys.modules["bfedjax.algorithms.fola"]
+    round_name = f"FOLA round, 100 clients x 100 images, B = 50, in turn on {devices} devices (rounds alternated)"
+    fast, slow = fola_round_ms(images, mock.patch.object(bf.core.engine, "finite_rows", plain_finite_rows))
+    lines.append(f"| finite check: {round_name} | {fast:.1f} | {slow:.1f} | {slow / fast:.2f}x |")
+    print(lines[-1], flush=True)
+    precisions = jax.random.lognormal(jax.random.PRNGKey(3), shape=(199_210,))  # the MLP's count
+    fast, slow = (fastest_ms(jax.jit(lambda x, _, f=f: f(x)), precisions, None) * FLAGS.steps
+                  for f in (bf.order_statistics.median, jnp.median))
+    lines.append(f"| median of 199,210 floats (against jnp.median) | {fast:.1f} | {slow:.1f} | {slow / fast:.2f}x |")
+    print(lines[-1], flush=True)
+    fast, slow = fola_round_ms(images, mock.patch.object(fola_module, "median", jnp.median), diagnostics=True)
+    lines.append(f"| median: {round_name}, precision diagnostics on (FOLA's default) | {fast:.1f} | {slow:.1f} | "
+                 f"{slow / fast:.2f}x |")
     text = "\n".join(lines) + "\n"
     print("\n" + text)
     if FLAGS.output:

@@ -1,0 +1,57 @@
+"""bfedjax.order_statistics: the k-th smallest value and the median without a sort, against numpy's."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from bfedjax.order_statistics import kth_smallest, median
+
+_kth = jax.jit(kth_smallest)
+_median = jax.jit(median)
+_floats = st.floats(width=32, allow_nan=False, allow_subnormal=True)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hnp.arrays(np.float32, st.integers(1, 40), elements=_floats), st.data())
+def test_kth_smallest_is_the_sorted_value(x, data):
+    k = data.draw(st.integers(0, x.size - 1))
+    got = np.asarray(_kth(x, k))
+    assert got == np.sort(x)[k]  # -0.0 == +0.0: which zero comes first is not specified
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hnp.arrays(np.float32, st.integers(1, 40), elements=st.floats(-1e6, 1e6, width=32) | st.sampled_from([0.0, 1.0])))
+def test_median_is_numpys(x):  # ties (0 and 1 drawn often), odd and even counts
+    np.testing.assert_allclose(_median(x), np.median(x), rtol=1e-6)
+
+
+def test_median_of_a_large_vector_equals_jnp_median():
+    x = jax.random.lognormal(jax.random.PRNGKey(0), shape=(199_210,))  # the MLP's precision count
+    assert float(_median(x)) == float(jnp.median(x))
+    assert float(_median(x[:-1])) == pytest.approx(float(jnp.median(x[:-1])), rel=1e-7)
+
+
+def test_nans_sort_last_and_poison_the_median():
+    x = jnp.asarray([3.0, jnp.nan, -1.0, -jnp.nan, 2.0])
+    assert float(_kth(x, 2)) == 3.0 and np.isnan(_kth(x, 3)) and np.isnan(_median(x))
+    assert float(_kth(jnp.asarray([-jnp.inf, jnp.inf, 0.0]), 2)) == np.inf
+
+
+def test_traced_k_under_vmap_and_other_widths():
+    x = jax.random.normal(jax.random.PRNGKey(1), (3, 50))
+    ks = jnp.asarray([0, 17, 49])
+    np.testing.assert_array_equal(jax.jit(jax.vmap(kth_smallest))(x, ks), np.sort(np.asarray(x), axis=1)[[0, 1, 2], ks])
+    half = x[0].astype(jnp.bfloat16)
+    assert kth_smallest(half, 5) == jnp.sort(half)[5] and kth_smallest(half, 5).dtype == jnp.bfloat16
+
+
+def test_bad_input_is_a_one_line_error():
+    with pytest.raises(ValueError, match="fix: 0 <= k < 3"):
+        kth_smallest(jnp.ones(3), 3)
+    with pytest.raises(ValueError, match="fix: cast it"):
+        median(jnp.arange(4))
+    with pytest.raises(ValueError, match="empty"):
+        median(jnp.zeros(0))
