@@ -1,4 +1,6 @@
 """FedReg's baselines (spec §8.11-14): SGD, FedProx scaling, FedCurv (previous round), SCAFFOLD, FedNova, DP-SGD."""
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -24,14 +26,19 @@ def _run(algo, fed, params, config, rounds=1, backend="vmap", weights=None):
 
 def _client_grad(apply_fn, params, fed, i):
     n = int(fed.counts[i])
-    x, y = jnp.asarray(fed.x[i, :n]), jnp.asarray(fed.y[i, :n])
+    return _mean_loss_grad(apply_fn, params, jnp.asarray(fed.x[i, :n]), jnp.asarray(fed.y[i, :n]))
+
+
+@functools.partial(jax.jit, static_argnums=0)  # one compile per client size, not one per operation
+def _mean_loss_grad(apply_fn, params, x, y):
     return jax.grad(lambda p: jnp.mean(optax.softmax_cross_entropy_with_integer_labels(apply_fn(p, x), y)))(params)
 
 
 def test_fedsgd_is_one_step_along_the_mean_client_gradient(small_fed, tiny_model, tiny_params):
     algo = bf.algorithms.fedsgd(tiny_model, lr=0.3, client_size=small_fed.max_n)
     state, _ = _run(algo, small_fed, tiny_params, RoundConfig(5, 5), weights="uniform")
-    grads = [_client_grad(apply_fn_of(tiny_model), tiny_params, small_fed, i) for i in range(5)]
+    apply_fn = apply_fn_of(tiny_model)
+    grads = [_client_grad(apply_fn, tiny_params, small_fed, i) for i in range(5)]
     expected = jax.tree.map(lambda p, *g: p - 0.3 * sum(g) / 5, tiny_params, *grads)
     chex.assert_trees_all_close(state.server["params"], expected, rtol=1e-5, atol=1e-6)
 

@@ -143,14 +143,16 @@ def test_projections_use_gradients_at_the_midpoint(unit_fed, tiny_model):
     data = ClientData(jnp.asarray(unit_fed.x[0]), jnp.asarray(unit_fed.y[0]), jnp.int32(unit_fed.counts[0]))
     ctx = ClientContext({"params": theta_g}, (), data, traced_hparams(algo, 1))
     batch = Batch(data.x[:5], data.y[:5], jnp.ones(5))
-    first = algo.client_step(algo.client_init(ctx, jax.random.PRNGKey(0)), batch, ctx, jax.random.PRNGKey(1))
-    second = algo.client_step(first, batch, ctx, jax.random.PRNGKey(2))
+    step = jax.jit(algo.client_step)  # jitted as in the round: one compile, not one per operation
+    first = step(jax.jit(algo.client_init)(ctx, jax.random.PRNGKey(0)), batch, ctx, jax.random.PRNGKey(1))
+    second = step(first, batch, ctx, jax.random.PRNGKey(2))
     apply_fn = apply_fn_of(tiny_model)
     theta_gamma = jax.tree.map(lambda t, g: 0.4 * t + 0.6 * g, first.params, theta_g)
     grad = jax.grad(bf.losses.masked_mean_cross_entropy, argnums=1)(apply_fn, theta_gamma, batch)
     sgd = jax.tree.map(lambda t, g: t - 0.2 * g, first.params, grad)
     reg, k = first.reg, first.steps % first.reg.num_batches
 
+    @jax.jit
     def projected(at):
         g_s = jax.grad(lambda p: soft_cross_entropy(apply_fn(p, reg.pseudo_x[k]), reg.pseudo_y[k], reg.mask[k]))(at)
         g_p = jax.grad(bf.losses.masked_mean_cross_entropy, argnums=1)(
