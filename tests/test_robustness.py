@@ -158,14 +158,16 @@ def test_robust_rules_ignore_order_and_padding(x, rnd, pad, trim):
     mask = jnp.ones(k)
     padded = np.concatenate([x, np.full((pad, x.shape[1]), 123.0, np.float32)])
     padded_mask = jnp.concatenate([mask, jnp.zeros(pad)])
-    for rule in (coordinate_median, lambda v, m: trimmed_mean(v, m, trim)):
+    trimmed = jax.jit(trimmed_mean, static_argnums=2)  # jitted: one compile per shape, not one per operation
+    for rule in (jax.jit(coordinate_median), lambda v, m: trimmed(v, m, trim)):
         base = rule(jnp.asarray(x), mask)
         np.testing.assert_allclose(rule(jnp.asarray(x[perm]), mask), base, rtol=1e-5, atol=1e-3)
         np.testing.assert_allclose(rule(jnp.asarray(padded), padded_mask), base, rtol=1e-5, atol=1e-3)
         assert np.all(base >= x.min(0) - 1e-3) and np.all(base <= x.max(0) + 1e-3)  # inside the clients' range
-    chosen = np.asarray(krum_selection(jnp.asarray(x), mask, 0, 2))
-    np.testing.assert_array_equal(np.asarray(krum_selection(jnp.asarray(x[perm]), mask, 0, 2)).sum(), chosen.sum())
-    np.testing.assert_array_equal(np.asarray(krum_selection(jnp.asarray(padded), padded_mask, 0, 2))[:k], chosen)
+    krum = jax.jit(krum_selection, static_argnums=(2, 3))
+    chosen = np.asarray(krum(jnp.asarray(x), mask, 0, 2))
+    np.testing.assert_array_equal(np.asarray(krum(jnp.asarray(x[perm]), mask, 0, 2)).sum(), chosen.sum())
+    np.testing.assert_array_equal(np.asarray(krum(jnp.asarray(padded), padded_mask, 0, 2))[:k], chosen)
 
 
 # --- the layer and attacks in the round ----------------------------------------------------------------
