@@ -46,6 +46,12 @@ def test_traced_k_under_vmap_and_other_widths():
     np.testing.assert_array_equal(jax.jit(jax.vmap(kth_smallest))(x, ks), np.sort(np.asarray(x), axis=1)[[0, 1, 2], ks])
     half = x[0].astype(jnp.bfloat16)
     assert kth_smallest(half, 5) == jnp.sort(half)[5] and kth_smallest(half, 5).dtype == jnp.bfloat16
+    small = np.random.default_rng(0).normal(size=11).astype(np.float16)  # 16-bit keys
+    assert kth_smallest(small, 3) == np.sort(small)[3] and median(small) == np.median(small)
+    with jax.enable_x64(True):  # 64-bit keys
+        wide = np.random.default_rng(1).normal(size=100)
+        assert kth_smallest(wide, 7) == np.sort(wide)[7] and median(wide) == np.median(wide)
+        assert median(wide).dtype == jnp.float64
 
 
 def test_bad_input_is_a_one_line_error():
