@@ -318,8 +318,7 @@ def test_early_stopped_pretraining_stops_when_validation_accuracy_stalls(digits,
 @pytest.mark.parametrize("name", ["fedavg", "fedcurv_loo"])
 def test_clients_one_at_a_time_match_the_reference(name, small_fed, tiny_model, tiny_params):
     """clients_per_chunk=1 (no vmap: streamed stats for FedAvg, stacked messages for FedCurv) equals the reference."""
-    batch_size = 48 if backend == "debug" else 16  # the debug backend runs op by op: fewer, larger steps
-    algo = {"fedavg": lambda: bf.algorithms.fedavg(tiny_model, lr=0.1, batch_size=batch_size),
+    algo = {"fedavg": lambda: bf.algorithms.fedavg(tiny_model, lr=0.1, batch_size=16),
             "fedcurv_loo": lambda: bf.algorithms.fedcurv(tiny_model, lr=0.1, batch_size=16,
                                                          variant="leave_one_out")}[name]()
     config = RoundConfig(num_clients=5, clients_per_round=3, clients_per_chunk=1)
