@@ -78,3 +78,88 @@ def median(x: jax.Array) -> jax.Array:
         upper = jnp.where(repeats, lower, above)
         middle = (_from_order_keys(lower, x.dtype) + _from_order_keys(upper, x.dtype)) / 2
     return jnp.where(jnp.any(jnp.isnan(x)), jnp.nan, middle).astype(x.dtype)
+
+
+# --- per column: the order statistics of each coordinate over the rows of a stacked array ``[C, ...]`` ---------
+# The rows are clients (``posteriors.robust``). XLA:CPU sorts 199,210 columns of 100 rows in about 2.3 s; the
+# bisection below counts each pass with a matrix-vector product (XLA:CPU reduces over a leading axis slowly).
+
+
+def _column_keys(x: jax.Array, mask: jax.Array | None) -> jax.Array:
+    """``[C, P]`` order keys of ``x [C, ...]`` (NaNs as the positive NaN); rows where ``mask [C]`` is False get
+    the largest key, so they rank after every real value."""
+    if x.ndim < 1 or x.shape[0] == 0 or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"column order statistics take a float array [C, ...] with C >= 1, got {x.dtype}"
+                         f"{list(x.shape)}; fix: stack the rows on a leading axis and cast to float")
+    flat = x.reshape(x.shape[0], -1)
+    keys = _order_keys(jnp.where(jnp.isnan(flat), jnp.nan, flat))
+    if mask is None:
+        return keys
+    return jnp.where(jnp.reshape(jnp.asarray(mask) > 0, (-1, 1)), keys, keys.dtype.type(jnp.iinfo(keys.dtype).max))
+
+
+def _column_counts(rows_true: jax.Array) -> jax.Array:
+    """``[P]`` float32: how many rows of the bool ``[C, P]`` are True in each column (exact below 2^24 rows)."""
+    ones = jnp.ones((rows_true.shape[0],), jnp.float32)
+    return jnp.matmul(ones, rows_true.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+
+
+def _column_smallest_keys(keys: jax.Array, k) -> jax.Array:
+    """``[P]``: the k-th smallest (0-based, ``k`` a traced or static scalar) key of each column of ``keys [C, P]``."""
+    width = 8 * keys.dtype.itemsize
+
+    def next_bit(i, prefix):
+        candidate = prefix | (keys.dtype.type(1) << (width - 1 - i).astype(keys.dtype))
+        return jnp.where(_column_counts(keys < candidate[None]) <= k, candidate, prefix)
+
+    return jax.lax.fori_loop(0, width, next_bit, jnp.zeros(keys.shape[1:], keys.dtype))
+
+
+def _column_min(keys: jax.Array) -> jax.Array:
+    """``[P]``: the smallest key of each column, a row at a time (streaming, where a reduction over the leading
+    axis would read the columns strided)."""
+    return jax.lax.fori_loop(1, keys.shape[0], lambda c, low: jnp.minimum(low, keys[c]), keys[0])
+
+
+def column_kth_smallest(x: jax.Array, k, mask: jax.Array | None = None) -> jax.Array:
+    """For each coordinate of ``x [C, ...]``, its k-th smallest value (0-based) over the rows where ``mask [C]``
+    is positive (default: all rows; the others rank last): ``jnp.sort(x, axis=0)[k]`` without the sort.
+    ``k`` may be traced. Returns ``[...]``."""
+    keys = _column_keys(x, mask)
+    return _from_order_keys(_column_smallest_keys(keys, k), x.dtype).reshape(x.shape[1:])
+
+
+def column_median(x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    """For each coordinate of ``x [C, ...]``, the median over the rows where ``mask [C]`` is positive (default:
+    all; the mean of the two middle values for an even count; ``+inf`` where no row counts). Returns ``[...]``."""
+    keys = _column_keys(x, mask)
+    real = keys.shape[0] if mask is None else jnp.sum(jnp.asarray(mask) > 0).astype(jnp.int32)
+    k = jnp.maximum(real, 1)
+    lower = _column_smallest_keys(keys, (k - 1) // 2)
+    # the next value up: ``lower`` again if it repeats past the middle, else the smallest key above it
+    repeats = _column_counts(keys <= lower[None]) > k // 2
+    above = _column_min(jnp.where(keys > lower[None], keys, keys.dtype.type(jnp.iinfo(keys.dtype).max)))
+    upper = jnp.where(repeats, lower, above)
+    middle = (_from_order_keys(lower, x.dtype) + _from_order_keys(upper, x.dtype)) / 2
+    return jnp.where(real > 0, middle, jnp.inf).astype(x.dtype).reshape(x.shape[1:])
+
+
+def column_trimmed_mean(x: jax.Array, mask: jax.Array, drop) -> jax.Array:
+    """For each coordinate of ``x [C, ...]``, the mean of its values over the rows where ``mask [C]`` is
+    positive after dropping the ``drop`` (a traced or static scalar, ``0 <= drop <= (k - 1) // 2`` for ``k`` real
+    rows) smallest and largest: ranks ``drop .. k - drop - 1`` of the sorted values, ties counted once each.
+    ``+inf`` where no row counts. Returns ``[...]``."""
+    keys = _column_keys(x, mask)
+    k = jnp.sum(jnp.asarray(mask) > 0).astype(jnp.int32)
+    end = k - drop  # ranks [drop, end) are kept
+    low, high = _column_smallest_keys(keys, drop), _column_smallest_keys(keys, end - 1)
+    low_value, high_value = _from_order_keys(low, x.dtype), _from_order_keys(high, x.dtype)
+    values = x.reshape(x.shape[0], -1)
+    between = (keys > low[None]) & (keys < high[None])
+    inner = jnp.matmul(jnp.ones((values.shape[0],), values.dtype), jnp.where(between, values, 0.0),
+                       precision=jax.lax.Precision.HIGHEST)
+    at_low = _column_counts(keys <= low[None]) - drop  # the low value's copies among the kept ranks
+    at_high = end - _column_counts(keys < high[None])
+    kept = jnp.maximum(end - drop, 1).astype(values.dtype)
+    total = jnp.where(low == high, kept * low_value, inner + at_low * low_value + at_high * high_value)
+    return jnp.where(k > 0, total / kept, jnp.inf).astype(x.dtype).reshape(x.shape[1:])

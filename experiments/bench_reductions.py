@@ -20,7 +20,9 @@ sum in the library's form and in the plain ``jnp.sum`` form:
     ``core.engine.finite_rows`` or with ``jnp.all(jnp.isfinite(...))`` per leaf, the two rounds taken in turn;
   * median: of the MLP's 199,210 precisions (FOLA's ``precision_median`` diagnostic, on by default), by
     ``order_statistics.median`` (no sort) or ``jnp.median`` (XLA's sort), alone and in FOLA's round as
-    above with its diagnostics on.
+    above with its diagnostics on;
+  * robust rules: the coordinate-wise median and trimmed mean of 100 clients' MLPs
+    (``posteriors.robust``, on ``order_statistics``' column statistics) against the same through a sort.
 
 Prints the fastest of ``--repeats`` runs (per iteration; per round for the finite check) and the
 speed-up; on a GPU both forms are ``jnp.sum`` (``row_sums`` keeps the product for CPUs).
@@ -38,8 +40,9 @@ FLAGS = flags.FLAGS
 flags.DEFINE_integer("steps", 20, "Iterations of each jitted loop.")
 flags.DEFINE_integer("repeats", 5, "Timed runs of each loop (the fastest reported).")
 flags.DEFINE_integer("batch_size", 10, "Images per step.")
+flags.DEFINE_integer("robust_clients", 100, "Clients of the robust rules' rows (each an MLP 784-200-200-10).")
 flags.DEFINE_string("output", None, "Also write the markdown table to this file.")
-for _name in ("steps", "repeats", "batch_size"):
+for _name in ("steps", "repeats", "batch_size", "robust_clients"):
     flags.register_validator(_name, lambda v: v >= 1, message=f"--{_name} must be >= 1")
 
 
@@ -185,6 +188,18 @@ def main(argv):
                   for f in (bf.order_statistics.median, jnp.median))
     lines.append(f"| median of 199,210 floats (against jnp.median) | {fast:.1f} | {slow:.1f} | {slow / fast:.2f}x |")
     print(lines[-1], flush=True)
+    c = FLAGS.robust_clients
+    clients = jax.random.normal(jax.random.PRNGKey(4), (c, 199_210))  # the clients' MLPs
+    everyone, trimmed = jnp.ones((c,)), int(0.1 * c)
+    for name, ours, sorted_form in (
+            ("median", bf.posteriors.robust.coordinate_median, lambda x, m: jnp.median(x, axis=0)),
+            ("trimmed mean (trim 0.1)", lambda x, m: bf.posteriors.robust.trimmed_mean(x, m, 0.1),
+             lambda x, m: jnp.mean(jnp.sort(x, axis=0)[trimmed:c - trimmed], axis=0))):
+        fast, slow = (fastest_ms(jax.jit(lambda x, m, f=f: f(x, m)), clients, everyone) * FLAGS.steps
+                      for f in (ours, sorted_form))
+        lines.append(f"| robust {name} of {c} clients x 199,210 coordinates (against the sort) | {fast:.0f} | "
+                     f"{slow:.0f} | {slow / fast:.2f}x |")
+        print(lines[-1], flush=True)
     fast, slow = fola_round_ms(images, mock.patch.object(fola_module, "median", jnp.median), diagnostics=True)
     lines.append(f"| median: {round_name}, precision diagnostics on (FOLA's default) | {fast:.1f} | {slow:.1f} | "
                  f"{slow / fast:.2f}x |")

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from bfedjax.order_statistics import kth_smallest, median
+from bfedjax.order_statistics import column_kth_smallest, column_median, column_trimmed_mean, kth_smallest, median
 
 _kth = jax.jit(kth_smallest)
 _median = jax.jit(median)
@@ -61,3 +61,29 @@ def test_bad_input_is_a_one_line_error():
         median(jnp.arange(4))
     with pytest.raises(ValueError, match="empty"):
         median(jnp.zeros(0))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hnp.arrays(np.float32, st.tuples(st.integers(1, 9), st.integers(1, 4), st.integers(1, 3)),
+                  elements=st.floats(-1e3, 1e3, width=32, allow_subnormal=False)  # XLA:CPU flushes them in sums
+                  | st.sampled_from([-2.0, 0.0, 1.0])), st.data())
+def test_column_statistics_are_numpys_over_the_real_rows(x, data):
+    """Per coordinate over the rows where the mask is on (ties drawn often): the k-th smallest, the median and
+    the trimmed mean, against numpy's sort of those rows."""
+    c = x.shape[0]
+    mask = np.asarray(data.draw(st.lists(st.booleans(), min_size=c, max_size=c).filter(any)), np.float32)
+    real = np.sort(x[mask > 0], axis=0)
+    k = real.shape[0]
+    rank, drop = data.draw(st.integers(0, k - 1)), data.draw(st.integers(0, (k - 1) // 2))
+    np.testing.assert_array_equal(jax.jit(column_kth_smallest)(x, rank, mask), real[rank])
+    np.testing.assert_array_equal(jax.jit(column_median)(x, mask), np.median(real, axis=0))
+    np.testing.assert_allclose(jax.jit(column_trimmed_mean)(x, mask, drop), real[drop:k - drop].mean(0), rtol=1e-5,
+                               atol=1e-4)
+
+
+def test_column_statistics_of_no_real_row_and_bad_input():
+    x = jnp.arange(6.0).reshape(3, 2)
+    assert np.all(np.isinf(column_median(x, jnp.zeros(3)))) and np.all(np.isinf(column_trimmed_mean(x, jnp.zeros(3), 0)))
+    np.testing.assert_array_equal(column_median(x), [2.0, 3.0])  # no mask: every row
+    with pytest.raises(ValueError, match="fix: stack the rows"):
+        column_median(jnp.zeros((0, 3)))

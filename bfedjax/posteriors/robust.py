@@ -31,44 +31,20 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from bfedjax.order_statistics import column_median, column_trimmed_mean
 from bfedjax.posteriors.gaussian import DiagGaussian
-
-
-def _sorted_real(x: jax.Array, mask: jax.Array) -> jax.Array:
-    """``x [C, ...]`` sorted along the client axis with masked slots moved to the end (as +inf)."""
-    real = jnp.reshape(mask > 0, (-1,) + (1,) * (x.ndim - 1))
-    return jnp.sort(jnp.where(real, x, jnp.inf), axis=0)
-
-
-def _take_rank(sorted_x: jax.Array, rank: jax.Array) -> jax.Array:
-    """``sorted_x[rank]`` along the client axis for a traced scalar ``rank``."""
-    return jax.lax.dynamic_index_in_dim(sorted_x, rank, axis=0, keepdims=False)
 
 
 def coordinate_median(stacked, mask: jax.Array):
     """Per-coordinate median over the real clients; leaves ``[C, ...]`` -> ``[...]``
     (the mean of the two middle values for an even count)."""
     mask = jnp.asarray(mask)
-    k = jnp.maximum(jnp.sum(mask > 0).astype(jnp.int32), 1)
-
-    def leaf(x):
-        s = _sorted_real(x, mask)
-        return 0.5 * (_take_rank(s, (k - 1) // 2) + _take_rank(s, k // 2))
-
-    return jax.tree.map(leaf, stacked)
+    return jax.tree.map(lambda x: column_median(x, mask), stacked)  # no sort (order_statistics)
 
 
 def trimmed_count(k: jax.Array, trim: float) -> jax.Array:
     """How many values ``trimmed_mean`` drops at each end of ``k``: ``floor(trim k)``, leaving at least one."""
     return jnp.minimum(jnp.floor(trim * k).astype(jnp.int32), (k - 1) // 2)
-
-
-def _trim_weights(mask: jax.Array, shape, trim: float) -> jax.Array:
-    """``[C, 1, ...]`` rank weights: 1 for ranks ``b .. k-b-1`` of the sorted real values, else 0."""
-    k = jnp.sum(mask > 0).astype(jnp.int32)
-    b = trimmed_count(k, trim)
-    rank = jnp.arange(mask.shape[0]).reshape((-1,) + (1,) * (len(shape) - 1))
-    return ((rank >= b) & (rank < k - b)).astype(jnp.float32)
 
 
 def trimmed_mean(stacked, mask: jax.Array, trim: float):
@@ -79,13 +55,8 @@ def trimmed_mean(stacked, mask: jax.Array, trim: float):
     if not 0.0 <= trim < 0.5:
         raise ValueError(f"trim={trim} must be in [0, 0.5), e.g. 0.2")
     mask = jnp.asarray(mask)
-
-    def leaf(x):
-        keep = _trim_weights(mask, x.shape, trim)
-        s = jnp.where(keep > 0, _sorted_real(x, mask), 0.0)
-        return jnp.sum(s, axis=0) / jnp.maximum(jnp.sum(keep, axis=0), 1.0)
-
-    return jax.tree.map(leaf, stacked)
+    drop = trimmed_count(jnp.sum(mask > 0).astype(jnp.int32), trim)
+    return jax.tree.map(lambda x: column_trimmed_mean(x, mask, drop), stacked)  # no sort (order_statistics)
 
 
 def pairwise_sq_distances(stacked) -> jax.Array:
