@@ -163,3 +163,26 @@ def column_trimmed_mean(x: jax.Array, mask: jax.Array, drop) -> jax.Array:
     kept = jnp.maximum(end - drop, 1).astype(values.dtype)
     total = jnp.where(low == high, kept * low_value, inner + at_low * low_value + at_high * high_value)
     return jnp.where(k > 0, total / kept, jnp.inf).astype(x.dtype).reshape(x.shape[1:])
+
+
+def _exclusive_column_counts(rows_true: jax.Array) -> jax.Array:
+    """``[C, P]`` float32: for each row, how many rows above it are True in the same column."""
+    def step(above, row):
+        return above + row, above
+    return jax.lax.scan(step, jnp.zeros(rows_true.shape[1:], jnp.float32), rows_true.astype(jnp.float32))[1]
+
+
+def column_kept_ranks(x: jax.Array, mask: jax.Array, drop) -> jax.Array:
+    """``[C, ...]`` bool: the rows of ``x [C, ...]`` whose rank among each coordinate's real rows (``mask [C]``
+    positive; ties ranked by row order, as a stable sort ranks them; ``-0.0`` ties ``+0.0``) lies in
+    ``drop .. k - drop - 1`` for ``k`` real rows (``0 <= drop <= (k - 1) // 2``, traced or static)."""
+    keys = _column_keys(jnp.where(x == 0, jnp.zeros((), x.dtype), x), mask)  # one zero: a sort ties them
+    real = jnp.reshape(jnp.asarray(mask) > 0, (-1, 1))
+    end = jnp.sum(real).astype(jnp.int32) - drop
+    low, high = _column_smallest_keys(keys, drop)[None], _column_smallest_keys(keys, end - 1)[None]
+    at_low, at_high = real & (keys == low), real & (keys == high)
+    low_rank = _column_counts(keys < low)[None] + _exclusive_column_counts(at_low)  # the rank of a row at low
+    high_rank = _column_counts(keys < high)[None] + _exclusive_column_counts(at_high)
+    kept = ((keys > low) & (keys < high)) | (at_low & (low_rank >= drop) & (low_rank < end)) | (
+        at_high & (keys > low) & (high_rank < end))
+    return (real & kept).reshape(x.shape)

@@ -21,8 +21,9 @@ sum in the library's form and in the plain ``jnp.sum`` form:
   * median: of the MLP's 199,210 precisions (FOLA's ``precision_median`` diagnostic, on by default), by
     ``order_statistics.median`` (no sort) or ``jnp.median`` (XLA's sort), alone and in FOLA's round as
     above with its diagnostics on;
-  * robust rules: the coordinate-wise median and trimmed mean of 100 clients' MLPs
-    (``posteriors.robust``, on ``order_statistics``' column statistics) against the same through a sort.
+  * robust rules: the coordinate-wise median and trimmed mean of 100 clients' MLPs, and the robust Gaussian
+    product (``posteriors.robust``, on ``order_statistics``' column statistics and matrix-vector sums)
+    against the same through a sort (the product: its former argsorts and sums over the client axis).
 
 Prints the fastest of ``--repeats`` runs (per iteration; per round for the finite check) and the
 speed-up; on a GPU both forms are ``jnp.sum`` (``row_sums`` keeps the product for CPUs).
@@ -74,6 +75,24 @@ def plain_finite_rows(tree, slots: int):
     import jax.numpy as jnp
     rows = [jnp.all(jnp.isfinite(jnp.reshape(x, (slots, -1))), axis=1) for x in jax.tree.leaves(tree)]
     return jnp.sum(jnp.stack(rows, axis=1).astype(jnp.float32), axis=1) == len(rows)
+
+
+def sorted_robust_product(stacked, weights, mask, trim: float, precision_cap: float):
+    """``posteriors.robust.robust_product`` through stable argsorts over the client axis and sums over it (its
+    form before ``order_statistics``), for ``[C, P]`` means and precisions."""
+    import jax.numpy as jnp
+    from bfedjax.posteriors import DiagGaussian
+    from bfedjax.posteriors.robust import trimmed_count
+    real = (mask > 0)[:, None]
+    k = jnp.sum(mask > 0).astype(jnp.int32)
+    drop = trimmed_count(k, trim)
+    rank = jnp.argsort(jnp.argsort(jnp.where(real, stacked.mean, jnp.inf), axis=0, stable=True), axis=0, stable=True)
+    kept = real & (rank >= drop) & (rank < k - drop)
+    lam = jnp.minimum(stacked.precision, precision_cap * jnp.median(stacked.precision, axis=0)[None])
+    wk = jnp.where(kept, weights[:, None], 0.0)
+    wk = wk / jnp.maximum(jnp.sum(wk, axis=0, keepdims=True), 1e-30)
+    precision = jnp.sum(wk * lam, axis=0)
+    return DiagGaussian(jnp.sum(wk * lam * jnp.where(kept, stacked.mean, 0.0), axis=0) / precision, precision)
 
 
 def loops(model, params, batch):
@@ -200,6 +219,13 @@ def main(argv):
         lines.append(f"| robust {name} of {c} clients x 199,210 coordinates (against the sort) | {fast:.0f} | "
                      f"{slow:.0f} | {slow / fast:.2f}x |")
         print(lines[-1], flush=True)
+    posteriors = bf.posteriors.DiagGaussian(clients, jnp.abs(clients) + 0.5)
+    fast, slow = (fastest_ms(jax.jit(lambda g, w, f=f: f(g, w, everyone, trim=0.2, precision_cap=3.0)), posteriors,
+                             everyone / c) * FLAGS.steps
+                  for f in (bf.posteriors.robust.robust_product, sorted_robust_product))
+    lines.append(f"| robust product (trim 0.2, precision cap 3) of {c} clients x 199,210 coordinates (against "
+                 f"argsorts) | {fast:.0f} | {slow:.0f} | {slow / fast:.2f}x |")
+    print(lines[-1], flush=True)
     fast, slow = fola_round_ms(images, mock.patch.object(fola_module, "median", jnp.median), diagnostics=True)
     lines.append(f"| median: {round_name}, precision diagnostics on (FOLA's default) | {fast:.1f} | {slow:.1f} | "
                  f"{slow / fast:.2f}x |")

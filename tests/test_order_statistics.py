@@ -7,7 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from bfedjax.order_statistics import column_kth_smallest, column_median, column_trimmed_mean, kth_smallest, median
+from bfedjax.order_statistics import (column_kept_ranks, column_kth_smallest, column_median, column_trimmed_mean,
+                                      kth_smallest, median)
 
 _kth = jax.jit(kth_smallest)
 _median = jax.jit(median)
@@ -87,3 +88,16 @@ def test_column_statistics_of_no_real_row_and_bad_input():
     np.testing.assert_array_equal(column_median(x), [2.0, 3.0])  # no mask: every row
     with pytest.raises(ValueError, match="fix: stack the rows"):
         column_median(jnp.zeros((0, 3)))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hnp.arrays(np.float32, st.tuples(st.integers(1, 9), st.integers(1, 5)),
+                  elements=st.sampled_from([-1.0, -0.0, 0.0, 2.0]) | st.floats(-10, 10, width=32)), st.data())
+def test_column_kept_ranks_are_a_stable_sorts(x, data):
+    c = x.shape[0]
+    mask = np.asarray(data.draw(st.lists(st.booleans(), min_size=c, max_size=c).filter(any)), np.float32)
+    k = int(mask.sum())
+    drop = data.draw(st.integers(0, (k - 1) // 2))
+    real = (mask > 0)[:, None]
+    rank = np.argsort(np.argsort(np.where(real, x, np.inf), axis=0, kind="stable"), axis=0, kind="stable")
+    np.testing.assert_array_equal(jax.jit(column_kept_ranks)(x, mask, drop), real & (rank >= drop) & (rank < k - drop))

@@ -145,6 +145,32 @@ def test_robust_product_limits():
     assert float(jnp.max(robust.precision)) <= 3.0 * float(jnp.max(jnp.median(precision, axis=0))) + 1e-5
 
 
+def test_robust_product_is_the_sorted_definition_with_ties_and_padding():
+    """Against the rule written with stable argsorts over the client axis (numpy): ties among the means (drawn
+    from five values, -0.0 among them) keep the clients a stable sort keeps; padding slots never count."""
+    rng = np.random.default_rng(3)
+    for trial in range(6):
+        c = 7
+        mean = rng.choice([-1.0, -0.0, 0.0, 1.0, 2.5], size=(c, 4, 3)) if trial % 2 else rng.normal(size=(c, 4, 3))
+        precision, w = rng.uniform(0.5, 2.0, size=(c, 4, 3)), rng.uniform(0.1, 1.0, size=c)
+        mask = np.array([1, 1, 0, 1, 1, 1, 0], np.float32)
+        trim, cap = 0.25, 1.5
+        real = mask[:, None, None] > 0
+        k = int(mask.sum())
+        drop = min(int(np.floor(trim * k)), (k - 1) // 2)
+        rank = np.argsort(np.argsort(np.where(real, mean, np.inf), axis=0, kind="stable"), axis=0, kind="stable")
+        kept = real & (rank >= drop) & (rank < k - drop)
+        capped = np.minimum(precision, cap * np.median(precision[mask > 0], axis=0))
+        wk = np.where(kept, w[:, None, None], 0.0)
+        wk = wk / wk.sum(0)
+        expected_precision = (wk * capped).sum(0)
+        expected_mean = (wk * capped * mean).sum(0) / expected_precision
+        got = robust_product(DiagGaussian(jnp.asarray(mean, jnp.float32), jnp.asarray(precision, jnp.float32)),
+                             jnp.asarray(w, jnp.float32), jnp.asarray(mask), trim=trim, precision_cap=cap)
+        np.testing.assert_allclose(got.precision, expected_precision, rtol=1e-5)
+        np.testing.assert_allclose(got.mean, expected_mean, rtol=1e-5, atol=1e-6)
+
+
 values = arrays(np.float32, st.tuples(st.integers(1, 6), st.just(2)),
                 elements=st.floats(-1e3, 1e3, width=32, allow_nan=False))
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from bfedjax.order_statistics import column_median, column_trimmed_mean
+from bfedjax.order_statistics import column_kept_ranks, column_median, column_trimmed_mean
 from bfedjax.posteriors.gaussian import DiagGaussian
 
 
@@ -135,21 +135,20 @@ def robust_product(stacked: DiagGaussian, weights: jax.Array, mask: jax.Array, *
     w = jnp.where(real, weights, 0.0)
 
     def leaf(mu, lam):
-        shape = (-1,) + (1,) * (mu.ndim - 1)
-        r = real.reshape(shape)
-        order = jnp.argsort(jnp.where(r, mu, jnp.inf), axis=0, stable=True)
-        rank = jnp.argsort(order, axis=0, stable=True)
-        kept = r & (rank >= b) & (rank < k - b)
+        kept = column_kept_ranks(mu, mask, b)  # stable ranks without a sort (order_statistics)
         if precision_cap is not None:
             median = coordinate_median(lam, mask)
             lam = jnp.minimum(lam, precision_cap * median[None])
-        wk = jnp.where(kept, w.reshape(shape), 0.0)
-        wk = wk / jnp.maximum(jnp.sum(wk, axis=0, keepdims=True), 1e-30)
-        precision = jnp.sum(wk * lam, axis=0)
-        kept_mu = jnp.where(kept, mu, 0.0)
+
+        def weighed(values):  # sum_kept w_c values_c per coordinate, as a matrix-vector product
+            rows = jnp.where(kept, values, 0.0).reshape(values.shape[0], -1)
+            return jnp.matmul(w, rows, precision=jax.lax.Precision.HIGHEST).reshape(values.shape[1:])
+
+        total = jnp.maximum(weighed(jnp.ones_like(mu)), 1e-30)
+        precision = weighed(lam) / total
         informed = precision + eps > 0  # elsewhere no kept client has information: the kept clients' mean
-        mean = jnp.where(informed, jnp.sum(wk * lam * kept_mu, axis=0) / jnp.where(informed, precision + eps, 1.0),
-                         jnp.sum(wk * kept_mu, axis=0))
+        mean = jnp.where(informed, weighed(lam * mu) / total / jnp.where(informed, precision + eps, 1.0),
+                         weighed(mu) / total)
         return mean, precision
 
     pairs = jax.tree.map(leaf, stacked.mean, stacked.precision)
