@@ -6,6 +6,9 @@ bisecting the bits of an order-preserving integer key: one compare-and-count pas
 (32 for float32), 3.2 ms for the same vector (``python -m experiments.bench_reductions``,
 ``results/bench/reductions.md``), exactly the value the sort would give. Jit and vmap friendly; ``k`` may be
 traced.
+
+The ``column_*`` functions do the same for each coordinate of stacked client arrays ``[C, ...]`` over a mask
+of real clients (``posteriors.robust``: the median, the trimmed mean and a stable sort's kept ranks).
 """
 from __future__ import annotations
 
