@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bfedjax.tree import weighted_sum
+
 _KEY_TYPES = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 
@@ -34,18 +36,6 @@ def _from_order_keys(keys: jax.Array, dtype) -> jax.Array:
     return jax.lax.bitcast_convert_type(jnp.where(keys & sign, keys & ~sign, ~keys), dtype)
 
 
-def _smallest_key(keys: jax.Array, k) -> jax.Array:
-    """The k-th smallest (0-based) of the unsigned ``keys [n]``: the largest key v with at most k keys below it,
-    built bit by bit from the top."""
-    width = 8 * keys.dtype.itemsize
-
-    def next_bit(i, prefix):
-        candidate = prefix | (keys.dtype.type(1) << (width - 1 - i).astype(keys.dtype))
-        return jnp.where(jnp.sum(keys < candidate) <= k, candidate, prefix)
-
-    return jax.lax.fori_loop(0, width, next_bit, jnp.zeros((), keys.dtype))
-
-
 def _float_input(x: jax.Array) -> jax.Array:
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -62,25 +52,14 @@ def kth_smallest(x: jax.Array, k) -> jax.Array:
     x = _float_input(x)
     if isinstance(k, (int, np.integer)) and not 0 <= k < x.size:
         raise ValueError(f"kth_smallest k={k} of {x.size} values; fix: 0 <= k < {x.size}")
-    keys = _order_keys(jnp.where(jnp.isnan(x), jnp.nan, x))  # every NaN as the positive one, sorted last
-    return _from_order_keys(_smallest_key(keys, k), x.dtype)
+    return column_kth_smallest(x[:, None], k)[0]
 
 
 def median(x: jax.Array) -> jax.Array:
     """``jnp.median(x)`` (all entries, flattened; the mean of the two middle values for an even count, NaN if
-    any entry is NaN) from ``kth_smallest``: a scalar of ``x.dtype``."""
+    any entry is NaN): a scalar of ``x.dtype``."""
     x = _float_input(x)
-    n = x.size
-    keys = _order_keys(x)
-    lower = _smallest_key(keys, (n - 1) // 2)
-    if n % 2:
-        middle = _from_order_keys(lower, x.dtype)
-    else:  # the next value up: the same key if it repeats past the middle, else the smallest key above it
-        repeats = jnp.sum(keys <= lower) > n // 2
-        above = jnp.min(jnp.where(keys > lower, keys, keys.dtype.type(jnp.iinfo(keys.dtype).max)))
-        upper = jnp.where(repeats, lower, above)
-        middle = (_from_order_keys(lower, x.dtype) + _from_order_keys(upper, x.dtype)) / 2
-    return jnp.where(jnp.any(jnp.isnan(x)), jnp.nan, middle).astype(x.dtype)
+    return jnp.where(jnp.any(jnp.isnan(x)), jnp.nan, column_median(x[:, None])[0]).astype(x.dtype)
 
 
 # --- per column: the order statistics of each coordinate over the rows of a stacked array ``[C, ...]`` ---------
@@ -103,8 +82,7 @@ def _column_keys(x: jax.Array, mask: jax.Array | None) -> jax.Array:
 
 def _column_counts(rows_true: jax.Array) -> jax.Array:
     """``[P]`` float32: how many rows of the bool ``[C, P]`` are True in each column (exact below 2^24 rows)."""
-    ones = jnp.ones((rows_true.shape[0],), jnp.float32)
-    return jnp.matmul(ones, rows_true.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return weighted_sum(rows_true.astype(jnp.float32), jnp.ones((rows_true.shape[0],), jnp.float32))
 
 
 def _column_smallest_keys(keys: jax.Array, k) -> jax.Array:
@@ -120,7 +98,9 @@ def _column_smallest_keys(keys: jax.Array, k) -> jax.Array:
 
 def _column_min(keys: jax.Array) -> jax.Array:
     """``[P]``: the smallest key of each column, a row at a time (streaming, where a reduction over the leading
-    axis would read the columns strided)."""
+    axis would read the columns strided; one column is contiguous)."""
+    if keys.shape[1] == 1:
+        return jnp.min(keys, axis=0)
     return jax.lax.fori_loop(1, keys.shape[0], lambda c, low: jnp.minimum(low, keys[c]), keys[0])
 
 
@@ -159,8 +139,7 @@ def column_trimmed_mean(x: jax.Array, mask: jax.Array, drop) -> jax.Array:
     low_value, high_value = _from_order_keys(low, x.dtype), _from_order_keys(high, x.dtype)
     values = x.reshape(x.shape[0], -1)
     between = (keys > low[None]) & (keys < high[None])
-    inner = jnp.matmul(jnp.ones((values.shape[0],), values.dtype), jnp.where(between, values, 0.0),
-                       precision=jax.lax.Precision.HIGHEST)
+    inner = weighted_sum(jnp.where(between, values, 0.0), jnp.ones((values.shape[0],), values.dtype))
     at_low = _column_counts(keys <= low[None]) - drop  # the low value's copies among the kept ranks
     at_high = end - _column_counts(keys < high[None])
     kept = jnp.maximum(end - drop, 1).astype(values.dtype)

@@ -282,7 +282,7 @@ def fola(model, *, lr: float = 0.01, lam: float = 1e3, local_epochs: int = 1, ba
         matrix, of its diagonal: each coordinate's own precision)."""
         flat = jnp.diagonal(precision) if dense else jnp.concatenate([p.ravel() for p in jax.tree.leaves(precision)])
         return {"precision_below_eps": jnp.mean(flat < max(cfg.eps, 1e-30)),
-                "precision_median": median(flat)}  # jnp.median's value; its sort cost half a CPU round
+                "precision_median": median(flat)}  # jnp.median's value without XLA:CPU's slow sort
 
     return Algorithm(
         name="fola", server_init=server_init, client_init=client_init, client_step=client_step,

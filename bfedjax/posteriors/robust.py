@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from bfedjax.order_statistics import column_kept_ranks, column_median, column_trimmed_mean
 from bfedjax.posteriors.gaussian import DiagGaussian
+from bfedjax.tree import weighted_sum
 
 
 def coordinate_median(stacked, mask: jax.Array):
@@ -140,9 +141,8 @@ def robust_product(stacked: DiagGaussian, weights: jax.Array, mask: jax.Array, *
             median = coordinate_median(lam, mask)
             lam = jnp.minimum(lam, precision_cap * median[None])
 
-        def weighed(values):  # sum_kept w_c values_c per coordinate, as a matrix-vector product
-            rows = jnp.where(kept, values, 0.0).reshape(values.shape[0], -1)
-            return jnp.matmul(w, rows, precision=jax.lax.Precision.HIGHEST).reshape(values.shape[1:])
+        def weighed(values):  # sum_kept w_c values_c per coordinate (a matrix-vector product)
+            return weighted_sum(jnp.where(kept, values, 0.0), w)
 
         total = jnp.maximum(weighed(jnp.ones_like(mu)), 1e-30)
         precision = weighed(lam) / total
