@@ -1,9 +1,9 @@
 """Order statistics of large float arrays without a sort (a leaf module: jax only).
 
-XLA:CPU sorts slowly: ``jnp.median`` of a 199,210-parameter vector (the MLP 784-200-200-10) took 51 ms on the
-2-core development CPU, a third of a FOLA round at K = 100. ``kth_smallest`` finds the k-th smallest value by
+XLA:CPU sorts slowly: ``jnp.median`` of a 199,210-parameter vector (the MLP 784-200-200-10) took 58 ms on the
+2-core development CPU, about 40% of a FOLA round at K = 100. ``kth_smallest`` finds the k-th smallest value by
 bisecting the bits of an order-preserving integer key: one compare-and-count pass over the array per bit
-(32 for float32), 3.2 ms for the same vector (``python -m experiments.bench_reductions``,
+(32 for float32), 2.0 ms for the same vector (``python -m experiments.bench_reductions``,
 ``results/bench/reductions.md``), exactly the value the sort would give. Jit and vmap friendly; ``k`` may be
 traced.
 
