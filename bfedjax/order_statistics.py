@@ -122,8 +122,10 @@ def column_median(x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
     # the next value up: ``lower`` again if it repeats past the middle, else the smallest key above it
     repeats = _column_counts(keys <= lower[None]) > k // 2
     above = _column_min(jnp.where(keys > lower[None], keys, keys.dtype.type(jnp.iinfo(keys.dtype).max)))
-    upper = jnp.where(repeats, lower, above)
-    middle = (_from_order_keys(lower, x.dtype) + _from_order_keys(upper, x.dtype)) / 2
+    lower_value, upper_value = _from_order_keys(lower, x.dtype), _from_order_keys(jnp.where(repeats, lower, above),
+                                                                                  x.dtype)
+    # one middle value (an odd count, or a repeat) as it is: XLA:CPU flushes subnormal arithmetic to zero
+    middle = jnp.where(repeats, lower_value, (lower_value + upper_value) / 2)
     return jnp.where(real > 0, middle, jnp.inf).astype(x.dtype).reshape(x.shape[1:])
 
 

@@ -54,8 +54,9 @@ fixed_pi               weights under partial participation (spec D23): False (th
 
 precision_diagnostics  report the spec's precision diagnostics (section 7) as server
                        metrics every round: ``precision_below_eps``, the share of
-                       coordinates with Lambda_S < eps, and ``precision_median`` (a
-                       sort of every parameter inside the round; False skips them)
+                       coordinates with Lambda_S < eps, and ``precision_median`` (one
+                       counting pass over every parameter per key bit, ``order_statistics.median``;
+                       False skips both)
 
 ``profile`` picks a consistent set: "default" (the spec's recommendation),
 "authors_code" (the released code's choices: detached prior) or "paper"
