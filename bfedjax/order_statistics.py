@@ -160,7 +160,11 @@ def column_kept_ranks(x: jax.Array, mask: jax.Array, drop) -> jax.Array:
     """``[C, ...]`` bool: the rows of ``x [C, ...]`` whose rank among each coordinate's real rows (``mask [C]``
     positive; ties ranked by row order, as a stable sort ranks them; ``-0.0`` ties ``+0.0``) lies in
     ``drop .. k - drop - 1`` for ``k`` real rows (``0 <= drop <= (k - 1) // 2``, traced or static)."""
-    keys = _column_keys(jnp.where(x == 0, jnp.zeros((), x.dtype), x), mask)  # one zero: a sort ties them
+    keys = _column_keys(x, mask)
+    # -0.0's key becomes +0.0's, as a sort ties them; on the keys, not ``x == 0``, which XLA:CPU's
+    # denormals-are-zero mode makes true for subnormals too
+    negative_zero, positive_zero = _order_keys(jnp.asarray([-0.0, 0.0], x.dtype))
+    keys = jnp.where(keys == negative_zero, positive_zero, keys)
     real = jnp.reshape(jnp.asarray(mask) > 0, (-1, 1))
     end = jnp.sum(real).astype(jnp.int32) - drop
     low, high = _column_smallest_keys(keys, drop)[None], _column_smallest_keys(keys, end - 1)[None]
