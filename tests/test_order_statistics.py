@@ -115,4 +115,4 @@ def test_kept_ranks_order_subnormals_by_value_and_tie_only_the_two_zeros():
     tiny = np.float32(1e-40)  # XLA:CPU compares subnormals as zeros (denormals-are-zero); the keys do not
     x = np.asarray([[tiny], [0.0], [-tiny], [1.0], [-0.0], [2.0]], np.float32)
     rank = np.argsort(np.argsort(x, axis=0, kind="stable"), axis=0, kind="stable")  # [[3], [1], [0], [4], [2], [5]]
-    np.testing.assert_array_equal(column_kept_ranks(x, np.ones(6), 2), (rank >= 2) & (rank < 4))
+    np.testing.assert_array_equal(jax.jit(column_kept_ranks)(x, np.ones(6), 2), (rank >= 2) & (rank < 4))
