@@ -213,24 +213,27 @@ def test_kl_options_change_the_round_as_specified(digits, vi_model):
     params = vi_model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8, 8, 1)))["params"]
     config = RoundConfig(num_clients=5, clients_per_round=5)
 
-    def server(round_index=1, **options):
+    def servers(*runs, **options):
+        """The server after one round of ``bfl`` built with ``options``, for each ``(round_index, kl_beta override
+        or None)`` in ``runs``: one program (kl_beta is a traced hyper-parameter)."""
         algo = bf.algorithms.build("bfl", vi_model, fed, lr=0.1, local_epochs=2, batch_size=20, **options)
-        state = init_state(algo, params, config)
-        out, _ = make_round_step(algo, config, "vmap")(state, round_arrays(fed), jax.random.PRNGKey(2),
-                                                       traced_hparams(algo, round_index))
-        return out.server
+        step, state = make_round_step(algo, config, "vmap"), init_state(algo, params, config)
+        return [step(state, round_arrays(fed), jax.random.PRNGKey(2),
+                     traced_hparams(algo, r, None if beta is None else {"kl_beta": beta}))[0].server for r, beta in runs]
 
-    default = server()
+    # build's kl_beta is the round's traced hyper-parameter, which the runs below override
+    assert bf.algorithms.build("bfl", vi_model, fed, kl_beta=1e4).hparams["kl_beta"] == 1e4
+    default, strong, fifth, quarter, default_round_5 = servers((1, None), (1, 1e4), (1, 0.2), (1, 0.25), (5, None))
     # A strong KL pulls the clients' means toward the prior's (0).
-    strong = server(kl_beta=1e4)
     mean_abs = lambda s: float(jnp.mean(jnp.abs(s["params"]["Dense_0"]["kernel"])))
     assert mean_abs(strong) < 0.8 * mean_abs(default)
     # |D_k| / |D| = 1/5 on equal clients: the same round as an explicit beta of 1/5 (build fills |D|).
-    chex.assert_trees_all_close(server(kl_divisor="federation"), server(kl_beta=0.2), rtol=1e-4, atol=1e-6)
+    chex.assert_trees_all_close(servers((1, None), kl_divisor="federation")[0], fifth, rtol=1e-4, atol=1e-6)
     # Annealed over 4 rounds: round 1 uses beta/4, round 4 and later the full beta.
-    chex.assert_trees_all_close(server(round_index=1, kl_anneal_rounds=4), server(kl_beta=0.25), rtol=1e-4, atol=1e-6)
+    annealed_1, annealed_5 = servers((1, None), (5, None), kl_anneal_rounds=4)
+    chex.assert_trees_all_close(annealed_1, quarter, rtol=1e-4, atol=1e-6)
     # two programs (beta * min(r / 4, 1) against beta): equal up to the compiler's rounding
-    chex.assert_trees_all_close(server(round_index=5, kl_anneal_rounds=4), server(round_index=5), rtol=1e-6, atol=1e-7)
+    chex.assert_trees_all_close(annealed_5, default_round_5, rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match="total_size"):
         bf.algorithms.bfl(vi_model, (8, 8, 1), kl_divisor="federation")
     with pytest.raises(ValueError, match="kl_beta"):
