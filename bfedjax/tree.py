@@ -99,10 +99,24 @@ def weighted_sum(stacked: PyTree, weights: jax.Array) -> PyTree:
                                                 precision=jax.lax.Precision.HIGHEST), stacked)
 
 
+def sum_over_rows(row_terms, num_rows: int) -> PyTree:
+    """``sum_c row_terms(c)`` for ``c < num_rows``: ``row_terms`` maps a row index (traced) to a pytree of arrays
+    (e.g. ``[P]`` terms computed from row ``c`` of stacked ``[C, P]`` arrays), added up a row at a time.
+
+    For terms computed on the fly (a comparison, a select) this streams: each row is read contiguously, the
+    terms never exist as a ``[C, P]`` array and the ``[P]`` sums stay in cache (``jnp.sum(..., axis=0)`` reads
+    the rows strided on XLA:CPU). Counting per column the entries of a ``[100, 199210]`` array below a
+    threshold took 4.8 ms on the 2-core CPU, against 45.9 ms for ``weighted_sum`` of the materialised mask
+    (``python -m experiments.bench_reductions``). For values already in memory ``weighted_sum``'s
+    matrix-vector product, which reads them once, is the one to use.
+    """
+    return jax.lax.fori_loop(1, num_rows, lambda c, total: jax.tree.map(jnp.add, total, row_terms(c)), row_terms(0))
+
+
 def tree_stack(trees: list) -> PyTree:
     """Stack a list of identical trees into one tree with a leading axis."""
     return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
 
-__all__ = ["leaf_dot", "row_sums", "sums_per_row", "tree_dot", "tree_squared_norm", "tree_stack", "tree_sub", "tree_zeros_like", "weighted_sum",
+__all__ = ["leaf_dot", "row_sums", "sum_over_rows", "sums_per_row", "tree_dot", "tree_squared_norm", "tree_stack", "tree_sub", "tree_zeros_like", "weighted_sum",
            "zero_products_per_row"]

@@ -21,8 +21,11 @@ sum in the library's form and in the plain ``jnp.sum`` form:
   * median: of the MLP's 199,210 precisions (FOLA's ``precision_median`` diagnostic, on by default), by
     ``order_statistics.median`` (no sort) or ``jnp.median`` (XLA's sort), alone and in FOLA's round as
     above with its diagnostics on;
+  * column count: per coordinate of 100 clients' MLPs, how many clients lie below a threshold (a pass of
+    ``order_statistics``' bisection), a row at a time (``tree.sum_over_rows``) or as the ``[C]`` ones times
+    the materialised mask (``tree.weighted_sum``'s matrix-vector product);
   * robust rules: the coordinate-wise median and trimmed mean of 100 clients' MLPs, and the robust Gaussian
-    product (``posteriors.robust``, on ``order_statistics``' column statistics and matrix-vector sums)
+    product (``posteriors.robust``, on ``order_statistics``' column statistics and sums a row at a time)
     against the same through a sort (the product: its former argsorts and sums over the client axis).
 
 Prints the fastest of ``--repeats`` runs (per iteration; per round for the finite check) and the
@@ -210,6 +213,12 @@ def main(argv):
     c = FLAGS.robust_clients
     clients = jax.random.normal(jax.random.PRNGKey(4), (c, 199_210))  # the clients' MLPs
     everyone, trimmed = jnp.ones((c,)), int(0.1 * c)
+    fast, slow = (fastest_ms(jax.jit(f), clients, clients[0]) * FLAGS.steps for f in (
+        lambda x, t: bf.tree.sum_over_rows(lambda i: (x[i] < t).astype(jnp.int32), x.shape[0]),
+        lambda x, t: bf.tree.weighted_sum((x < t[None]).astype(jnp.float32), jnp.ones((x.shape[0],)))))
+    lines.append(f"| column count below a threshold, {c} clients x 199,210 coordinates (rows streamed; against the "
+                 f"mask's matrix-vector product) | {fast:.1f} | {slow:.1f} | {slow / fast:.2f}x |")
+    print(lines[-1], flush=True)
     for name, ours, sorted_form in (
             ("median", bf.posteriors.robust.coordinate_median, lambda x, m: jnp.median(x, axis=0)),
             ("trimmed mean (trim 0.1)", lambda x, m: bf.posteriors.robust.trimmed_mean(x, m, 0.1),

@@ -126,6 +126,19 @@ def test_global_norm_and_dot_match_float64_sums_on_every_leaf_rank():
         tree_dot(a, {**b, "k": b["k"][:1]})
 
 
+def test_sum_over_rows_adds_every_rows_terms_of_a_pytree():
+    """tree.sum_over_rows (the order statistics' counts, the robust product's sums): a row at a time, every row
+    once, the first included, for each leaf of the terms' pytree."""
+    from bfedjax.tree import sum_over_rows
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(5, 3, 4)), jnp.float32)
+    counts, weighted = jax.jit(lambda x: sum_over_rows(lambda c: ((x[c] > 0).astype(jnp.int32), (c + 1) * x[c]),
+                                                       x.shape[0]))(x)
+    np.testing.assert_array_equal(counts, np.sum(np.asarray(x) > 0, axis=0))
+    np.testing.assert_allclose(weighted, np.tensordot(np.arange(1, 6), np.asarray(x, np.float64), axes=1), rtol=1e-5)
+    one = sum_over_rows(lambda c: x[c], 1)
+    np.testing.assert_array_equal(one, x[0])
+
+
 @pytest.mark.parametrize("weight_decay", [0.0, 0.5])
 def test_clipping_scales_the_gradient_with_the_prior_pull_by_its_norm(small_fed, tiny_model, tiny_params,
                                                                        weight_decay):

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from bfedjax.order_statistics import column_kept_ranks, column_median, column_trimmed_mean
 from bfedjax.posteriors.gaussian import DiagGaussian
-from bfedjax.tree import weighted_sum
+from bfedjax.tree import sum_over_rows
 
 
 def coordinate_median(stacked, mask: jax.Array):
@@ -137,18 +137,18 @@ def robust_product(stacked: DiagGaussian, weights: jax.Array, mask: jax.Array, *
 
     def leaf(mu, lam):
         kept = column_kept_ranks(mu, mask, b)  # stable ranks without a sort (order_statistics)
-        if precision_cap is not None:
-            median = coordinate_median(lam, mask)
-            lam = jnp.minimum(lam, precision_cap * median[None])
+        cap = None if precision_cap is None else precision_cap * coordinate_median(lam, mask)
 
-        def weighed(values):  # sum_kept w_c values_c per coordinate (a matrix-vector product)
-            return weighted_sum(jnp.where(kept, values, 0.0), w)
+        def weighed(c):  # client c's terms of sum_kept w_c (1, lambda_c, lambda_c mu_c, mu_c), per coordinate
+            weight = jnp.where(kept[c], w[c], 0.0)
+            capped = lam[c] if cap is None else jnp.minimum(lam[c], cap)
+            return weight, weight * capped, weight * capped * mu[c], weight * mu[c]
 
-        total = jnp.maximum(weighed(jnp.ones_like(mu)), 1e-30)
-        precision = weighed(lam) / total
+        total, lam_sum, lam_mu_sum, mu_sum = sum_over_rows(weighed, mu.shape[0])  # one streaming pass
+        total = jnp.maximum(total, 1e-30)
+        precision = lam_sum / total
         informed = precision + eps > 0  # elsewhere no kept client has information: the kept clients' mean
-        mean = jnp.where(informed, weighed(lam * mu) / total / jnp.where(informed, precision + eps, 1.0),
-                         weighed(mu) / total)
+        mean = jnp.where(informed, lam_mu_sum / total / jnp.where(informed, precision + eps, 1.0), mu_sum / total)
         return mean, precision
 
     pairs = jax.tree.map(leaf, stacked.mean, stacked.precision)
