@@ -1,4 +1,6 @@
 """FedAvg / FedProx / FedCurv / FOLA identities (FOLA spec section 8, items 10-14)."""
+from unittest import mock
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -137,6 +139,13 @@ def test_sum_over_rows_adds_every_rows_terms_of_a_pytree():
     np.testing.assert_allclose(weighted, np.tensordot(np.arange(1, 6), np.asarray(x, np.float64), axes=1), rtol=1e-5)
     one = sum_over_rows(lambda c: x[c], 1)
     np.testing.assert_array_equal(one, x[0])
+    with mock.patch.object(jax, "default_backend", lambda: "gpu"):  # the vmapped form accelerators take
+        gpu_form = lambda x: sum_over_rows(lambda c: ((x[c] > 0).astype(jnp.int32), (c + 1) * x[c]), 5)
+        program = str(jax.make_jaxpr(gpu_form)(x))
+        assert "scan" not in program and "while" not in program  # no loop over the rows
+        on_gpu = jax.jit(gpu_form)(x)
+    np.testing.assert_array_equal(on_gpu[0], counts)
+    np.testing.assert_allclose(on_gpu[1], weighted, rtol=1e-5)
 
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.5])
