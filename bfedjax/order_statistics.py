@@ -85,12 +85,19 @@ def _column_keys(x: jax.Array, mask: jax.Array | None) -> jax.Array:
     return jnp.where(jnp.reshape(jnp.asarray(mask) > 0, (-1, 1)), keys, keys.dtype.type(jnp.iinfo(keys.dtype).max))
 
 
+def _column_sum(row_terms, shape) -> jax.Array:
+    """``[P]``: ``sum_c row_terms(c)`` over the rows of a ``[C, P]`` array of this ``shape``; ``row_terms`` takes a row
+    index or ``slice(None)`` (every row, ``[C, P]`` terms). Several columns a row at a time (``tree.sum_over_rows``);
+    one long column (a flattened array) at once, along its memory."""
+    if shape[1] == 1:
+        return jnp.sum(row_terms(slice(None)), axis=0)
+    return sum_over_rows(row_terms, shape[0])
+
+
 def _column_counts(keys: jax.Array, predicate) -> jax.Array:
     """``[P]`` int32: per column of ``keys [C, P]``, how many rows satisfy ``predicate`` (elementwise, on a row
-    ``[P]`` or on ``[C, P]``). One long column (a flattened array) is counted at once, along its memory."""
-    if keys.shape[1] == 1:
-        return jnp.sum(predicate(keys), axis=0, dtype=jnp.int32)
-    return sum_over_rows(lambda c: predicate(keys[c]).astype(jnp.int32), keys.shape[0])
+    ``[P]`` or on ``[C, P]``)."""
+    return _column_sum(lambda c: predicate(keys[c]).astype(jnp.int32), keys.shape)
 
 
 def _column_smallest_keys(keys: jax.Array, k) -> jax.Array:
@@ -149,8 +156,7 @@ def column_trimmed_mean(x: jax.Array, mask: jax.Array, drop) -> jax.Array:
     low_value, high_value = _from_order_keys(low, x.dtype), _from_order_keys(high, x.dtype)
     values = x.reshape(x.shape[0], -1)
     between = lambda c: jnp.where((keys[c] > low) & (keys[c] < high), values[c], jnp.zeros((), values.dtype))
-    inner = (jnp.sum(between(slice(None)), axis=0) if keys.shape[1] == 1
-             else sum_over_rows(between, keys.shape[0]))  # the values strictly between the two kept ends
+    inner = _column_sum(between, keys.shape)  # the values strictly between the two kept ends
     at_low = (_column_counts(keys, lambda row: row <= low) - drop).astype(values.dtype)  # low's kept copies
     at_high = (end - _column_counts(keys, lambda row: row < high)).astype(values.dtype)
     kept = jnp.maximum(end - drop, 1).astype(values.dtype)
