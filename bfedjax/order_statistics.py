@@ -58,6 +58,19 @@ def kth_smallest(x: jax.Array, k) -> jax.Array:
     return column_kth_smallest(x[:, None], k)[0]
 
 
+def kth_smallest_pair(x: jax.Array, k) -> tuple[jax.Array, jax.Array]:
+    """``(x_(k), x_(k+1))``: the ``k``-th and ``(k + 1)``-th smallest entries (0-based, ``0 <= k < x.size - 1``)
+    of the float array ``x`` (flattened), as ``jnp.sort(x.ravel())[k:k + 2]``, with one bisection: the next value
+    is ``x_(k)`` again where it repeats, else the smallest entry above it (e.g. an interpolated percentile's two
+    neighbours). Scalars of ``x.dtype``."""
+    x = _float_input(x)
+    if isinstance(k, (int, np.integer)) and not 0 <= k < x.size - 1:
+        raise ValueError(f"kth_smallest_pair k={k} of {x.size} values; fix: 0 <= k < {x.size - 1}")
+    keys = _column_keys(x[:, None], None)
+    lower, upper, _ = _column_key_and_next(keys, k)
+    return _from_order_keys(lower, x.dtype)[0], _from_order_keys(upper, x.dtype)[0]
+
+
 def median(x: jax.Array) -> jax.Array:
     """``jnp.median(x)`` (all entries, flattened; the mean of the two middle values for an even count, NaN if
     any entry is NaN): a scalar of ``x.dtype``."""
@@ -119,6 +132,16 @@ def _column_min(keys: jax.Array) -> jax.Array:
     return jax.lax.fori_loop(1, keys.shape[0], lambda c, low: jnp.minimum(low, keys[c]), keys[0])
 
 
+def _column_key_and_next(keys: jax.Array, k) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(k-th key, (k + 1)-th key, repeats)`` of each column of ``keys [C, P]``, ``[P]`` each: the k-th by
+    bisection, the next as the k-th again where it repeats (``repeats``, bool) past rank k, else the smallest key
+    above it (the largest key where there is none)."""
+    lower = _column_smallest_keys(keys, k)
+    repeats = _column_counts(keys, lambda row: row <= lower) > k + 1
+    above = _column_min(jnp.where(keys > lower[None], keys, keys.dtype.type(jnp.iinfo(keys.dtype).max)))
+    return lower, jnp.where(repeats, lower, above), repeats
+
+
 def column_kth_smallest(x: jax.Array, k, mask: jax.Array | None = None) -> jax.Array:
     """For each coordinate of ``x [C, ...]``, its k-th smallest value (0-based) over the rows where ``mask [C]``
     is positive (default: all rows; the others rank last): ``jnp.sort(x, axis=0)[k]`` without the sort.
@@ -133,14 +156,10 @@ def column_median(x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
     keys = _column_keys(x, mask)
     real = keys.shape[0] if mask is None else jnp.sum(jnp.asarray(mask) > 0).astype(jnp.int32)
     k = jnp.maximum(real, 1)
-    lower = _column_smallest_keys(keys, (k - 1) // 2)
-    # the next value up: ``lower`` again if it repeats past the middle, else the smallest key above it
-    repeats = _column_counts(keys, lambda row: row <= lower) > k // 2
-    above = _column_min(jnp.where(keys > lower[None], keys, keys.dtype.type(jnp.iinfo(keys.dtype).max)))
-    lower_value, upper_value = _from_order_keys(lower, x.dtype), _from_order_keys(jnp.where(repeats, lower, above),
-                                                                                  x.dtype)
+    lower, upper, repeats = _column_key_and_next(keys, (k - 1) // 2)
+    lower_value, upper_value = _from_order_keys(lower, x.dtype), _from_order_keys(upper, x.dtype)
     # one middle value (an odd count, or a repeat) as it is: XLA:CPU flushes subnormal arithmetic to zero
-    middle = jnp.where(repeats, lower_value, (lower_value + upper_value) / 2)
+    middle = jnp.where((k % 2 == 1) | repeats, lower_value, (lower_value + upper_value) / 2)
     return jnp.where(real > 0, middle, jnp.inf).astype(x.dtype).reshape(x.shape[1:])
 
 

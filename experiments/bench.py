@@ -2,8 +2,10 @@ r"""Benchmark: the vmapped round against the stepwise loop, PyTorch, a centralis
 
     python -m experiments.bench                 # quick mode (< 10 min on 2 CPU cores)
     python -m experiments.bench --noquick       # adds K = 1000, K = 10 at B = 50, the unchunked skewed
-                                                # splits, and the variational/FedReg clients at K = 10,
-                                                # B = 50 and in every layout
+                                                # splits, the variational/FedReg clients at K = 10,
+                                                # B = 50 and in every layout, chunks of 5, the layout
+                                                # simulate picks on one device, FedAvg on the skewed
+                                                # splits, FOLA on the FedReg CNN, and K = 3400's rounds
 
 For every configuration and algorithm it times whole rounds (after one
 compile/warm-up round; the fastest of ``--rounds`` timed rounds, since a shared
@@ -79,8 +81,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_bool("quick", True, "Quick mode: fewer configurations, and the variational and FedReg clients "
                   "on fewer of them.")
 flags.DEFINE_integer("rounds", None, "Timed rounds per measurement, the fastest reported (default 3, 10 at "
-                     "K = 10 and 5 at K = 100 for the MLP; in quick mode 1 for the variational and FedReg clients "
-                     "and at K = 3400).")
+                     "K = 10 and 5 at K = 100 for the MLP; in quick mode 1 for the variational and FedReg clients, "
+                     "and none at K = 3400, whose round is only compiled).")
 flags.DEFINE_list("algorithms", ["fedavg", "fola", "bfl", "fedreg"],
                   "Algorithms to time (each configuration lists which of them it runs).")
 BACKENDS = ("vmap", "stepwise", "torch", "torch.func", "torch.func+compile", "centralised")
@@ -89,8 +91,9 @@ flags.DEFINE_list("backends", list(BACKENDS), "Backends to time (torch.func and 
 flags.DEFINE_list("only", None, "Run only configurations whose name contains one of these strings.")
 flags.DEFINE_integer("samples_per_client", 100, "Samples per client in the uniform configurations "
                      "(100: whole batches at B = 10 and 50).")
-flags.DEFINE_list("cpu_chunks", ["1", "2", "5"], "On a CPU, also time the round in chunks of these many clients on "
-                  "uniform configurations (smaller working set: faster on CPU caches); empty skips them.")
+flags.DEFINE_list("cpu_chunks", None, "On a CPU, also time the round in chunks of these many clients on uniform "
+                  "configurations (smaller working set: faster on CPU caches); empty skips them; default 1,2,5, in "
+                  "quick mode 1,2 (chunks of 5 were never within 10% of the fastest layout).")
 flags.DEFINE_string("output_dir", "results/bench", "Where bench.json and bench.md go (rewritten after every row).")
 flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16"], "The library's and the centralised "
                   "ceiling's compute dtype (models.COMPUTE_DTYPES; parameters stay float32), and the dtype of the "
@@ -143,20 +146,23 @@ class Config:
     #                         | "resnet20" (32x32x3)
     algorithms: tuple = ("fedavg", "fola")
     samples_per_client: int | None = None  # None: --samples_per_client
-    chunks: tuple | None = None  # chunk sizes timed as vmap/cN; None: --cpu_chunks
+    chunks: tuple | None = None  # chunk sizes timed as vmap/cN; None: --cpu_chunks (or its default)
     cpu_skip: tuple = ()         # (algorithm, backend) pairs not timed on a CPU (grouped convs: very slow)
     rounds: int | None = None    # timed rounds unless --rounds is given; None: 3 (quick rules aside)
     anchors: bool = False        # also time torch.func and the centralised ceiling
     gpu_only: bool = False       # skipped on a CPU
+    compile_only: bool = False   # the library's round compiled for its memory and compile time, no round run
 
 
 ALL_CLIENTS = ("fedavg", "fola", "bfl", "fedreg")
+ALL_CHUNKS, QUICK_CHUNKS = (1, 2, 5), (1, 2)  # --cpu_chunks' defaults
 errors.check_list("algorithms", lambda a: a in ALL_CLIENTS, f"among {', '.join(ALL_CLIENTS)}", "fedavg,fola")
 
 
 def configurations(quick: bool) -> list[Config]:
-    """The benchmarked configurations; quick mode keeps those the targets need, and times the
-    variational and FedReg clients only in the library's layouts (no stepwise rows)."""
+    """The benchmarked configurations; quick mode keeps those the targets need, times the variational and
+    FedReg clients only in the library's layouts (no stepwise rows), the FedReg CNN and the skewed splits
+    with the one algorithm their targets read, and compiles the K = 3400 memory row without running it."""
     heavy = (lambda k, b: k == 100 and b == 10) if quick else (lambda k, b: k <= 100)  # + variational, FedReg
     quick_skip = tuple((a, b) for a in ("bfl", "fedreg") for b in ("vmap", "stepwise")) if quick else ()
     sizes = ((10, 10), (100, 10), (100, 50)) if quick else tuple((k, b) for k in (10, 100, 1000) for b in (10, 50))
@@ -167,15 +173,17 @@ def configurations(quick: bool) -> list[Config]:
                    anchors=k >= 100, cpu_skip=quick_skip, rounds={10: 10, 100: 5}.get(k)) for k, b in sizes]
     # The unchunked skewed splits show what padding every client to the largest costs (about 3x
     # the real work); their stepwise and torch rows repeat the chunked configurations'.
+    skewed_algorithms = ("fola",) if quick else ("fedavg", "fola")
     unchunked = [] if quick else [Config("fmnist dir0.01 N=20 B=32 unchunked", "dirichlet", 20, 32),
                                   Config("power-law N=100 B=10 unchunked", "power_law", 100, 10)]
     return grid + [
         # On a CPU the zoo's convolutions are matrix products (models.conv), and the default
         # layout runs a CNN's clients in turn (vmap/c1).
-        # Quick mode leaves out its variational and FedReg clients (no target reads them; the MLP's K = 100
-        # rows time those clients' layouts): on a slow 2-core machine they were a sixth of the run.
+        # Quick mode times FedAvg only (the target against the PyTorch loop reads it; the MLP's K = 100 rows
+        # time the other clients' layouts): the CNN's FOLA, variational and FedReg rounds each compile for
+        # 6-16 s on a 2-core machine.
         Config("fedreg_cnn K=10 B=10", "uniform", 10, 10, model="fedreg_cnn",
-               algorithms=("fedavg", "fola") if quick else ALL_CLIENTS,
+               algorithms=("fedavg",) if quick else ALL_CLIENTS,
                samples_per_client=20 if quick else 100, chunks=(1,), cpu_skip=quick_skip, anchors=True),
         # The GPU targets' CNN rounds (on a CPU they would take minutes per backend).
         Config("fedreg_cnn K=100 B=10", "uniform", 100, 10, model="fedreg_cnn", gpu_only=True, anchors=True),
@@ -184,12 +192,14 @@ def configurations(quick: bool) -> list[Config]:
         # Issue 18's compile-time target: a round of variational (mean-field, Flipout) ResNet-20 clients.
         Config(RESNET_COMPILE_CONFIG, "uniform", 10, 32, model="resnet20", algorithms=("bfl",), gpu_only=True),
         *unchunked,
-        Config("fmnist dir0.01 N=20 B=32 chunks of 2", "dirichlet", 20, 32, 2),
-        Config("power-law N=100 B=10 chunks of 4", "power_law", 100, 10, 4),
-        # The memory target is read off the compiled round (FOLA's is the larger); quick mode times
-        # one round of FOLA only.
+        # Their targets (padded work, vmap over stepwise) read FOLA's rows; quick mode times FOLA only.
+        *(Config(name, partition, k, b, chunk, algorithms=skewed_algorithms)
+          for name, partition, k, b, chunk in (("fmnist dir0.01 N=20 B=32 chunks of 2", "dirichlet", 20, 32, 2),
+                                               ("power-law N=100 B=10 chunks of 4", "power_law", 100, 10, 4))),
+        # The memory target is read off the compiled round (FOLA's is the larger); quick mode compiles
+        # FOLA's round without running it (a round takes 10-20 s on 2 cores).
         Config("mlp K=3400 B=10 chunks of 10", "uniform", 3400, 10, 10, library_only=True,
-               algorithms=("fola",) if quick else ("fedavg", "fola"), rounds=1 if quick else None),
+               algorithms=("fola",) if quick else ("fedavg", "fola"), compile_only=quick),
     ]
 
 
@@ -459,26 +469,35 @@ def main(argv):
             library = backend.startswith(("vmap", ALTERNATED, PAIRED))
             result.update(config=config.name, algorithm=name, backend=backend, clients=fed.num_clients,
                           batch_size=config.batch_size, padded_work_ratio=ratio if library else 1.0,
-                          samples_per_s=real_samples / result["round_s"],
-                          gflops=real_samples * flops_per_sample / result["round_s"] / 1e9,
-                          aggregation_share=agg_s / result["round_s"] if library else None,
-                          roofline_fraction=roofline_s / result["round_s"], default=backend == default)
-            result["peak_fraction"] = result["gflops"] * 1e9 / peak
+                          default=backend == default)
+            seconds = result.setdefault("round_s", None)  # None: compiled only (Config.compile_only)
+            result.update(samples_per_s=None, gflops=None, aggregation_share=None, roofline_fraction=None,
+                          peak_fraction=None)
+            if seconds is not None:
+                result.update(samples_per_s=real_samples / seconds,
+                              gflops=real_samples * flops_per_sample / seconds / 1e9,
+                              aggregation_share=agg_s / seconds if library else None,
+                              roofline_fraction=roofline_s / seconds)
+                result["peak_fraction"] = result["gflops"] * 1e9 / peak
             result["process_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             rows.append(result)
-            print(f"{config.name:38s} {name:7s} {backend:18s} round {result['round_s']:8.3f}s  "
-                  f"{result['samples_per_s']:10.0f} samples/s  {result['gflops']:6.1f} GFLOP/s "
-                  f"({100 * result['peak_fraction']:4.1f}% of peak, {100 * result['roofline_fraction']:4.1f}% of "
-                  f"roofline){'  default' if result['default'] else ''}", flush=True)
+            if seconds is None:
+                print(f"{config.name:38s} {name:7s} {backend:18s} compiled only: {result['compile_s']:.1f} s, "
+                      f"{result.get('memory_mb', 0):.0f} MB", flush=True)
+            else:
+                print(f"{config.name:38s} {name:7s} {backend:18s} round {seconds:8.3f}s  "
+                      f"{result['samples_per_s']:10.0f} samples/s  {result['gflops']:6.1f} GFLOP/s "
+                      f"({100 * result['peak_fraction']:4.1f}% of peak, {100 * result['roofline_fraction']:4.1f}% of "
+                      f"roofline){'  default' if result['default'] else ''}", flush=True)
             write_report(machine, peak, bandwidth, data[INPUT_SHAPES["mlp"]].name, rows)
 
         for name in [a for a in config.algorithms if a in FLAGS.algorithms]:
             algorithm = make_algorithm(name, model, fed, config.batch_size, FLAGS.bfl_gradient_estimator)
-            agg_s = time_aggregation(algorithm, fed)
+            agg_s = 0.0 if config.compile_only else time_aggregation(algorithm, fed)  # no round to share
             # a configuration that names its chunks has no default row
             default = default_variant(algorithm, fed, config) if not config.clients_per_chunk else None
-            one_device = (default_variant(algorithm, fed, config, client_devices=1)
-                          if default and "x" in default else None)  # what the split gains
+            one_device = (default_variant(algorithm, fed, config, client_devices=1)  # what the split gains
+                          if default and "x" in default and not FLAGS.quick else None)
             # bfl and fedreg move more than FedAvg per step: counting them as FedAvg gives a lower bound
             traffic = bench_anchors.round_traffic_bytes(param_counts[config.model], 1, steps,
                                                         name if name == "fola" else "fedavg")
@@ -520,7 +539,8 @@ def main(argv):
 
 def measure(backend: str, algorithm, fed, config: Config, name: str, model, rounds: int,
             kept: dict | None = None) -> dict:
-    """``{"round_s": best round, "compile_s": first round (compile + run), ...}`` of one backend; ``kept``: a dict
+    """``{"round_s": best round, "compile_s": first round (compile + run), ...}`` of one backend (with
+    ``config.compile_only``: the library's ``compile_s`` is the compilation alone, and no ``round_s``); ``kept``: a dict
     that receives a library variant's (``vmap``, ``vmap/cN``, ``vmap/cNxD``) prepared round under its name, its
     state as the timed rounds left it, for ``time_in_turn``."""
     torch_options = dict(algorithm=name, model=config.model, hidden=(200, 200), batch_size=config.batch_size,
@@ -534,6 +554,8 @@ def measure(backend: str, algorithm, fed, config: Config, name: str, model, roun
         return {"compile_s": first, "round_s": best}
     else:
         prepared = prepared_variant(algorithm, fed, config, backend)
+        if config.compile_only:  # the compiled round's memory analysis and compile time; no round run
+            return {**prepared[3], "compile_s": prepared[3]["compile_only_s"]}
         if kept is not None and backend.startswith("vmap"):  # for the rows in turn
             kept[backend] = prepared
         return time_prepared(algorithm, prepared, rounds)
@@ -561,7 +583,7 @@ def fastest_other_variant(rows, config_name: str, algorithm: str, default: str |
     """The library variant other than ``default`` with the fastest row of ``config_name`` and ``algorithm`` (None
     if there is no default or no other variant)."""
     others = [r for r in rows if r["config"] == config_name and r["algorithm"] == algorithm
-              and r["backend"].startswith("vmap") and r["backend"] != default]
+              and r["backend"].startswith("vmap") and r["backend"] != default and r["round_s"] is not None]
     return min(others, key=lambda r: r["round_s"])["backend"] if default and others else None
 
 
@@ -656,7 +678,9 @@ def variants_of(config: Config, algorithm: str, backends: list[str], on_cpu: boo
     """The backends timed for one configuration and algorithm: library variants (chunked ones on a CPU, split
     over ``devices`` when several, always the ``default`` layout and ``one_device``, the layout ``simulate``
     picks on one device) first, then the references."""
-    chunks = [int(c) for c in (config.chunks or FLAGS.cpu_chunks) if int(c) < config.num_clients] if on_cpu else []
+    sizes = config.chunks or FLAGS.cpu_chunks
+    sizes = sizes if sizes is not None else QUICK_CHUNKS if FLAGS.quick else ALL_CHUNKS
+    chunks = [int(c) for c in sizes if int(c) < config.num_clients] if on_cpu else []
     if FLAGS.quick and algorithm not in bench_torch.ALGORITHMS:
         chunks = [c for c in chunks if c == 1]  # variational / FedReg: compiles take minutes; c1 only
     library = []

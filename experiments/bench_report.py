@@ -3,6 +3,8 @@
 A row is a dict with at least ``config``, ``algorithm``, ``backend``, ``round_s``,
 ``peak_fraction``, ``aggregation_share`` and ``padded_work_ratio``, and optionally ``default``
 (the layout ``simulate`` picks), ``compile_s``, ``roofline_fraction`` and ``memory_mb`` (see bench.py).
+A row compiled but not run (``bench.Config.compile_only``) has ``round_s`` None, and so its
+per-second columns.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ def _find(rows, config, algorithm, backend):
     else:
         found = [r for r in rows if r["config"] == config and r["algorithm"] == algorithm
                  and (r["backend"] == backend or (backend == "vmap" and r["backend"].startswith("vmap")))]
+    found = [r for r in found if r["round_s"] is not None]  # not the rows compiled only
     return min(found, key=lambda r: r["round_s"]) if found else None
 
 
@@ -98,7 +101,7 @@ def check_targets(rows, platform: str = "cpu") -> list[dict]:
             at_goal = config.endswith("B=50")
             add(f"FOLA round / FedAvg round, {config} ({how})", ratio, "<= 1.3x" if at_goal else "reported",
                 ratio <= 1.3 if at_goal else None)
-    gaps = [(default_gap(rows, d), d) for d in rows if d.get("default")]
+    gaps = [(default_gap(rows, d), d) for d in rows if d.get("default") and d["round_s"] is not None]
     if gaps:
         (worst, how), row = max(gaps, key=lambda g: g[0][0])
         add(f"default layout / fastest library variant, worst row ({row['config']}, {row['algorithm']}, "
@@ -132,7 +135,7 @@ def default_gap(rows, default_row) -> tuple[float, str]:
     own = paired.pop(default_row["backend"], None)
     if own is not None and paired:
         return own / min(paired.values()), "rounds in turn"
-    fastest = min(r["round_s"] for r in same if r["backend"].startswith("vmap"))
+    fastest = min(r["round_s"] for r in same if r["backend"].startswith("vmap") and r["round_s"] is not None)
     return default_row["round_s"] / fastest, "rows timed in sequence"
 
 
@@ -167,19 +170,21 @@ def markdown(report) -> str:
              "`client_devices=\"auto\"`); `vmap/cNxD`: chunks of N split over D devices; `paired`: an algorithm's "
              "default layout and its fastest other variant once more, their rounds in turn (the default / fastest "
              "target reads these); `alternated`: FedAvg's and FOLA's default layouts, their rounds in turn (FOLA / "
-             "FedAvg's target). Compile: the first round (compilation + one round).", "",
+             "FedAvg's target). Compile: the first round (compilation + one round); a row without a round was compiled "
+             "only (its compile: tracing, lowering and compilation).", "",
              "| configuration | algorithm | backend | round (s) | compile (s) | samples/s | GFLOP/s | % of peak | "
              "% of roofline | memory (MB) | aggregation share | padded work |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    def cell(value, spec, scale=1.0):
+        return "-" if value is None else format(scale * value, spec)
+
     for r in report["rows"]:
-        mem = f"{r['memory_mb']:.0f}" if r.get("memory_mb") else "-"
-        agg = f"{100 * r['aggregation_share']:.1f}%" if r["aggregation_share"] is not None else "-"
         backend = f"{r['backend']} (default)" if r.get("default") else r["backend"]
-        compile_s = f"{r['compile_s']:.1f}" if r.get("compile_s") is not None else "-"
-        roofline = f"{100 * r['roofline_fraction']:.1f}" if r.get("roofline_fraction") is not None else "-"
-        lines.append(f"| {r['config']} | {r['algorithm']} | {backend} | {r['round_s']:.3f} | {compile_s} | "
-                     f"{r['samples_per_s']:.0f} | {r['gflops']:.1f} | {100 * r['peak_fraction']:.1f} | {roofline} | "
-                     f"{mem} | {agg} | {r['padded_work_ratio']:.2f} |")
+        lines.append(f"| {r['config']} | {r['algorithm']} | {backend} | {cell(r['round_s'], '.3f')} | "
+                     f"{cell(r.get('compile_s'), '.1f')} | {cell(r['samples_per_s'], '.0f')} | {cell(r['gflops'], '.1f')} | "
+                     f"{cell(r['peak_fraction'], '.1f', 100)} | {cell(r.get('roofline_fraction'), '.1f', 100)} | "
+                     f"{cell(r.get('memory_mb') or None, '.0f')} | {cell(r['aggregation_share'], '.1%')} | "
+                     f"{r['padded_work_ratio']:.2f} |")
     lines += ["", "| target | value | goal | met |", "|---|---|---|---|"]
     for t in report["targets"]:
         met = "n/a" if t["met"] is None else ("yes" if t["met"] else "no")

@@ -275,6 +275,30 @@ def test_bench_targets_follow_the_platform():
                                         "targets": []})
 
 
+def test_bench_report_takes_a_compiled_only_row_for_its_memory_alone():
+    """Quick mode compiles the K = 3400 round without running it (``bench.Config.compile_only``): the memory
+    target reads that row, the speed targets and the layout comparison pass over it, and the table prints
+    dashes for its per-second columns."""
+    from experiments import bench_report as bench
+    big = "mlp K=3400 B=10 chunks of 10"
+    compiled = {"config": big, "algorithm": "fola", "backend": "vmap", "round_s": None, "default": True,
+                "compile_s": 6.5, "memory_mb": 1100.0, "aggregation_share": None, "peak_fraction": None,
+                "padded_work_ratio": 1.0, "samples_per_s": None, "gflops": None, "roofline_fraction": None}
+    timed = {**compiled, "config": "mlp K=100 B=10", "backend": "vmap/c1x2", "round_s": 0.2, "memory_mb": 30.0,
+             "samples_per_s": 5e4, "gflops": 60.0, "peak_fraction": 0.3, "roofline_fraction": 4.0,
+             "aggregation_share": 0.03}
+    targets = {t["target"]: t for t in bench.check_targets([timed, compiled], "cpu")}
+    memory = targets["compiled round memory, K=3400 in chunks of 10 (worst algorithm)"]
+    assert memory["value"] == pytest.approx(1100 / 1024) and memory["met"] is True
+    assert [t["target"] for t in targets.values() if t["target"].startswith("default layout")] == [
+        "default layout / fastest library variant, worst row (mlp K=100 B=10, fola, vmap/c1x2; rows timed in sequence)"]
+    assert bench._find([compiled], big, "fola", "vmap") is None
+    text = bench.markdown({"machine": {"platform": "cpu", "device": "cpu", "cpu_count": 2, "jax": "0"},
+                           "matmul_peak_gflops": 1.0, "data": "d", "rows": [timed, compiled], "targets": []})
+    assert f"| {big} | fola | vmap (default) | - | 6.5 | - | - | - | - | 1100 | - | 1.00 |" in text
+    assert "| mlp K=100 B=10 | fola | vmap/c1x2 (default) | 0.200 | 6.5 | 50000 | 60.0 | 30.0 | 400.0 | 30 | 3.0% |" in text
+
+
 def test_bench_reductions_smoke(tmp_path):
     """The library's sums against jnp.sum's, its median against jnp.median's and the robust rules against a sort:
     ten rows with positive times, written where --output says."""

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from bfedjax.order_statistics import (column_kept_ranks, column_kth_smallest, column_median, column_trimmed_mean,
-                                      kth_smallest, median)
+                                      kth_smallest, kth_smallest_pair, median)
 
 _kth = jax.jit(kth_smallest)
 _median = jax.jit(median)
@@ -21,6 +21,14 @@ def test_kth_smallest_is_the_sorted_value(x, data):
     k = data.draw(st.integers(0, x.size - 1))
     got = np.asarray(_kth(x, k))
     assert got == np.sort(x)[k]  # -0.0 == +0.0: which zero comes first is not specified
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hnp.arrays(np.float32, st.integers(2, 40), elements=_floats | st.sampled_from([0.0, 1.0, np.inf])), st.data())
+def test_kth_smallest_pair_is_the_two_sorted_neighbours(x, data):  # ties (0, 1, inf drawn often) repeat x_(k)
+    k = data.draw(st.integers(0, x.size - 2))
+    got = jax.jit(kth_smallest_pair)(x, k)
+    np.testing.assert_array_equal(np.asarray(got), np.sort(x)[k:k + 2])
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -66,6 +74,8 @@ def test_traced_k_under_vmap_and_other_widths():
 def test_bad_input_is_a_one_line_error():
     with pytest.raises(ValueError, match="fix: 0 <= k < 3"):
         kth_smallest(jnp.ones(3), 3)
+    with pytest.raises(ValueError, match="fix: 0 <= k < 2"):
+        kth_smallest_pair(jnp.ones(3), 2)
     with pytest.raises(ValueError, match="fix: cast it"):
         median(jnp.arange(4))
     with pytest.raises(ValueError, match="empty"):
