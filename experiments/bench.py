@@ -706,4 +706,4 @@ def variants_of(config: Config, algorithm: str, backends: list[str], on_cpu: boo
 
 
 if __name__ == "__main__":
-    errors.run(main)
+    errors.run(main, interrupted="rerun it with --resume to keep the rows measured so far")

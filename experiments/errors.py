@@ -32,6 +32,7 @@ from absl import app, flags
 
 TRACEBACK_ENV = "BFEDJAX_TRACEBACK"
 EXIT_CODE = 2  # the usual exit status of a command-line usage error (argparse, getopt)
+INTERRUPTED_EXIT_CODE = 130  # a shell's status for a process ended by Ctrl-C (128 + SIGINT)
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -88,9 +89,20 @@ def parse_flags(argv: list[str]) -> list[str]:
     return guard(flags.FLAGS)(argv)
 
 
-def run(main, argv: list[str] | None = None) -> None:
-    """``absl.app.run(main)`` whose flag errors and user errors in ``main`` are one line, exit status 2."""
-    app.run(guard(main), argv=argv, flags_parser=parse_flags)
+def run(main, argv: list[str] | None = None, interrupted: str = "") -> None:
+    """``absl.app.run(main)`` whose flag errors and user errors in ``main`` are one line, exit status 2.
+
+    Ctrl-C (``KeyboardInterrupt``) prints one line, ``interrupted; <interrupted>`` (the binary's way to carry
+    on, e.g. that a rerun resumes from the last checkpoint), and ends the process at once with status 130,
+    as a kill would: background writers (orbax's checkpoint threads) would otherwise print their own
+    tracebacks while the interpreter shuts down. A checkpoint being written is left unfinished, which a
+    resumed run skips (``bfedjax.checkpoint``)."""
+    try:
+        app.run(guard(main), argv=argv, flags_parser=parse_flags)
+    except KeyboardInterrupt:
+        print(f"interrupted{'; ' + interrupted if interrupted else ''}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(INTERRUPTED_EXIT_CODE)
 
 
 def check_list(name: str, item_ok, what: str, example: str, flag_values: flags.FlagValues = flags.FLAGS) -> None:
@@ -114,5 +126,5 @@ class ArgumentParser(argparse.ArgumentParser):
         raise app.UsageError(f"{message}; fix: see --help")
 
 
-__all__ = ["ArgumentParser", "EXIT_CODE", "TRACEBACK_ENV", "check_list", "guard", "message", "parse_flags", "report",
+__all__ = ["ArgumentParser", "EXIT_CODE", "INTERRUPTED_EXIT_CODE", "TRACEBACK_ENV", "check_list", "guard", "message", "parse_flags", "report",
            "run", "user_errors"]

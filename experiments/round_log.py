@@ -6,7 +6,8 @@
   the last round the file is rewritten from ``simulate``'s whole history.
 * The console: exactly one plain line per round (``format_line(record)``) when stdout is not a terminal
   (logs, CI, pipes); on a terminal the same lines above a tqdm progress bar with an ETA and the round's
-  key numbers (GA, LA, loss, ...) as its postfix.
+  key numbers (GA, LA, loss, ...) as its postfix. A resumed run first says which round it resumes at, or
+  that every round was restored.
 * TensorBoard (``tensorboard=True``): tensorboardX event files in ``<output_dir>/tensorboard/``, every
   numeric round metric as a scalar at step = round, and :meth:`RoundLog.final`'s numbers as ``final/<name>``.
   A resumed run appends a new event file whose ``purge_step`` is its first round, so TensorBoard hides any
@@ -71,7 +72,11 @@ class RoundLog:
 
     def __call__(self, record: Mapping) -> None:
         if self._sink is None:
-            self._sink = self._open_sink(first_round=int(record["round"]))
+            first = int(record["round"])
+            if first > 1:  # simulate restored the rounds before it
+                print(f"resuming at round {first}: rounds 1-{first - 1} restored from the last checkpoint "
+                      "(--noresume starts over)", file=self.stream, flush=True)
+            self._sink = self._open_sink(first_round=first)
         self._sink.write(json.dumps(record) + "\n")
         self._sink.flush()
         self._to_console(record)
@@ -150,6 +155,9 @@ class RoundLog:
     def end_rounds(self, metrics: Mapping[str, list]) -> None:
         """After the last round: closes the progress bar and rewrites metrics.jsonl from ``simulate``'s columns
         ``metrics`` (rounds restored from a checkpoint included), one record per round."""
+        if self._sink is None and metrics.get("round"):  # every round restored: this process trained none
+            print(f"all {len(metrics['round'])} rounds restored from the last checkpoint: nothing left to train "
+                  "(--noresume starts over)", file=self.stream, flush=True)
         self._close_bar()
         if self._sink is not None:
             self._sink.close()

@@ -704,4 +704,5 @@ def _write_json(name: str, value) -> None:
 
 
 if __name__ == "__main__":
-    errors.run(main)
+    errors.run(main, interrupted="rerun the same command to resume from the last checkpointed round "
+                                  "(--noresume starts over)")

@@ -199,13 +199,21 @@ def test_resumed_round_log_keeps_the_restored_rounds_records(tmp_path):
     old = [json.dumps({"round": r, "global_accuracy": r / 10}) for r in (1, 2, 3)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(old) + '\n{"round": 4, "glob')
     rounds = lambda: [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
-    with RoundLog(str(tmp_path), 5, lambda r: f"round {r['round']}", stream=io.StringIO()) as log:
+    screen = io.StringIO()
+    with RoundLog(str(tmp_path), 5, lambda r: f"round {r['round']}", stream=screen) as log:
         log({"round": 3, "global_accuracy": 0.35})
         assert rounds() == [{"round": 1, "global_accuracy": 0.1}, {"round": 2, "global_accuracy": 0.2},
                             {"round": 3, "global_accuracy": 0.35}]
-    with RoundLog(str(tmp_path), 5, lambda r: f"round {r['round']}", stream=io.StringIO()):
+    assert screen.getvalue().splitlines() == [
+        "resuming at round 3: rounds 1-2 restored from the last checkpoint (--noresume starts over)", "round 3"]
+    screen = io.StringIO()
+    with RoundLog(str(tmp_path), 5, lambda r: f"round {r['round']}", stream=screen):
         pass  # a run resumed with every round done records nothing: the file stays as it was
-    assert [r["round"] for r in rounds()] == [1, 2, 3]
+    assert [r["round"] for r in rounds()] == [1, 2, 3] and screen.getvalue() == ""
+    with RoundLog(str(tmp_path), 3, lambda r: f"round {r['round']}", stream=screen) as log:
+        log.end_rounds({"round": [1, 2, 3], "global_accuracy": [0.1, 0.2, 0.35]})  # and says so
+    assert screen.getvalue() == ("all 3 rounds restored from the last checkpoint: nothing left to train "
+                                 "(--noresume starts over)\n")
     with RoundLog(str(tmp_path), 5, lambda r: f"round {r['round']}", stream=io.StringIO()) as log:
         log({"round": 1, "global_accuracy": 0.5})  # started over (--noresume): nothing earlier is kept
     assert rounds() == [{"round": 1, "global_accuracy": 0.5}]
