@@ -619,7 +619,8 @@ def main(argv):
     print(f"{algorithm.name} on {dataset.name} ({dataset.source}): {fed.num_clients} clients, "
           f"sizes {int(fed.counts.min())}..{int(fed.counts.max())}, {FLAGS.partition}, "
           f"{FLAGS.rounds} rounds, E={algorithm.local_epochs}, B={algorithm.batch_size}, lr={FLAGS.lr}, "
-          f"hparams={algorithm.hparams}, clients with pi_n < 1e-3: {int(np.sum(fed.weights < 1e-3))}", flush=True)
+          f"hparams={algorithm.hparams}, clients with pi_n < 1e-3: {int(np.sum(fed.weights < 1e-3))}"
+          + (f", attack {run.attack.kind} by {run.attack.fraction:.0%} of the clients" if run.attack else ""), flush=True)
 
     with round_log.RoundLog(FLAGS.output_dir, FLAGS.rounds, round_log.round_line, tensorboard=FLAGS.tensorboard) as log:
         result = bf.simulate(

@@ -40,6 +40,21 @@ def test_run_writes_metrics_and_resumes(tmp_path):
     assert summary["best_global_accuracy"] == max(r["global_accuracy"] for r in again)
 
 
+def test_attack_robust_rule_and_nonfinite_flags_reach_the_rounds(tmp_path):
+    """--attack / --attack_fraction / --robust_rule / --on_nonfinite from the command line: the header names the
+    rule and the attack, the NaN senders are left out and counted on the round line, or stop the run in one line."""
+    flags = [*SMALL, "--algorithm=fedavg", "--rounds=1", "--attack=nan", "--attack_fraction=0.5",
+             "--robust_rule=median", "--noevaluate_local"]
+    out = _run(*flags, f"--output_dir={tmp_path / 'drop'}")
+    assert out.stdout.startswith("fedavg+median on digits") and "attack nan by 50% of the clients" in out.stdout
+    assert re.search(r"^round    1  GA .*\(2 non-finite clients left out\)$", out.stdout, re.M)
+    record = json.loads((tmp_path / "drop" / "metrics.jsonl").read_text())
+    assert record["nonfinite_clients"] == 2 and np.isfinite(record["global_loss"])
+    stop = _run(*flags, "--on_nonfinite=stop", f"--output_dir={tmp_path / 'stop'}", check=False)
+    assert stop.returncode == 2 and "Traceback" not in stop.stderr
+    assert re.fullmatch(r"error: round 1: client \d sent NaN or Inf \(2 client\(s\) this round\); fix: .*\n", stop.stderr)
+
+
 def test_server_pretraining_flag_and_options_of_other_algorithms(tmp_path):
     out = _run(*SMALL, "--algorithm=fedavg", "--rounds=1", "--pretrain_fraction=0.2", "--pretrain_epochs=2",
                "--pretrain_disjoint", "--lam=5", "--eta_s=0.1", f"--output_dir={tmp_path}")
