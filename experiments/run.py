@@ -687,11 +687,22 @@ def finish(run: Experiment, result, log: round_log.RoundLog) -> None:
         summary["final_client_test_accuracy"] = result.metrics["client_test_accuracy"][-1]
     summary["uncertainty"], evaluation = final_evaluation(algorithm, result.state.server, run.fed)
     log.final(summary["uncertainty"], step=result.metrics["round"][-1])
-    print("final predictive: " + ", ".join(f"{k} {v:.4f}" for k, v in summary["uncertainty"].items()
+    print("final predictive: " + ", ".join(f"{PRINTED_AS.get(k, k)} {_printed(v)}" for k, v in summary["uncertainty"].items()
                                            if isinstance(v, float)), flush=True)
     _write_json("summary.json", summary)
     _write_json("evaluation.json", evaluation)
     print(f"done: round-1 GA {ga[0]:.4f}, best GA {np.nanmax(ga):.4f}, final GA {ga[-1]:.4f} -> {FLAGS.output_dir}")
+
+
+# The final predictive's printed names where the bare key would mislead (``bfedjax.metrics.uncertainty``): the
+# entropy is normalised by log C, the Eq. 9 parts are traces of per-class variances, not entropies.
+PRINTED_AS = {"entropy": "entropy/log(C)", "aleatoric": "aleatoric (trace)", "epistemic": "epistemic (trace)"}
+
+
+def _printed(value: float) -> str:
+    """Four decimals, or three significant digits for a value that would print as 0.0000 (a collapsed
+    posterior's epistemic part, e.g. 1.7e-12)."""
+    return f"{value:.4f}" if value == 0 or abs(value) >= 5e-5 or value != value else f"{value:.3g}"
 
 
 def _number_or_none(value: float) -> float | None:

@@ -88,6 +88,8 @@ def test_mc_dropout_schedule_and_final_uncertainty(tmp_path):
     assert "final predictive: accuracy" in out.stdout
     summary = json.loads((tmp_path / "summary.json").read_text())
     unc = summary["uncertainty"]
+    # the printed names say what the numbers are (summary.json keeps the keys)
+    assert f"entropy/log(C) {unc['entropy']:.4f}, aleatoric (trace) {unc['aleatoric']:.4f}" in out.stdout
     assert {"accuracy", "nll", "ece", "brier", "entropy", "epistemic"} <= set(unc)
     assert 0 <= unc["ece"] <= 1 and unc["nll"] > 0
     assert unc["epistemic"] > 0  # dropout stays on at test time: the passes disagree
