@@ -35,16 +35,18 @@ def numeric_items(record: Mapping) -> dict[str, float]:
 
 
 def round_line(record) -> str:
-    """One progress line: the global model's scores (GA, LA, CA; segmentation: Dice, IoU, HD95)."""
+    """One progress line: the global model's scores (GA, LA, CA; segmentation: Dice, IoU, HD95); LA only where the
+    clients' local models were evaluated."""
     end = f"loss {record['global_loss']:.4f}  {record['seconds']:.2f}s"
     if "global_dice" in record:
         return (f"round {record['round']:4d}  Dice {record['global_dice']:.4f}  IoU {record['global_iou']:.4f}  "
                 f"HD95 {record['global_hd95']:.2f}  {end}")
     la = record.get("local_accuracy", float("nan"))
+    la = f"  LA {la:.4f}" if la == la else ""  # not evaluated (--evaluate_local=false, or a skipped round)
     ca = f"  CA {record['client_test_accuracy']:.4f}" if "client_test_accuracy" in record else ""
     dropped = f"  ({int(record['nonfinite_clients'])} non-finite clients left out)" if record.get(
         "nonfinite_clients") else ""
-    return f"round {record['round']:4d}  GA {record['global_accuracy']:.4f}  LA {la:.4f}{ca}  {end}{dropped}"
+    return f"round {record['round']:4d}  GA {record['global_accuracy']:.4f}{la}{ca}  {end}{dropped}"
 
 
 class RoundLog:

@@ -42,6 +42,7 @@ from experiments import algorithm_flags, errors, round_log
 FLAGS = flags.FLAGS
 # What to run: --algorithm, --lr, --local_epochs, --batch_size and the algorithms' options.
 algorithm_flags.define(FLAGS)
+flags.adopt_module_key_flags(algorithm_flags)  # --helpshort lists them with this binary's own
 flags.DEFINE_enum("task", "classification", list(bf.tasks.TASKS), "What the model learns: classification, or "
                   "segmentation (--model=unet on --dataset=vessels, drive, oxford_iiit_pet or fets; "
                   "--model=unet3d on --dataset=fets_volumes; loss --segmentation_loss; Dice, IoU and HD95 reported; "

@@ -40,6 +40,15 @@ def test_run_writes_metrics_and_resumes(tmp_path):
     assert summary["best_global_accuracy"] == max(r["global_accuracy"] for r in again)
 
 
+def test_helpshort_lists_the_algorithm_flags_too():
+    """The README points at --helpshort for the flags: the algorithms' (experiments.algorithm_flags) are listed
+    beside the binary's own, not only under --helpfull."""
+    out = subprocess.run([sys.executable, "-m", "experiments.run", "--helpshort"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    listed = set(re.findall(r"^  --(?:\[no\])?(\w+):", out.stdout + out.stderr, re.M))
+    assert {"algorithm", "lr", "lam", "rule", "weighting", "fedref_server_lr", "dataset", "rounds", "attack"} <= listed
+
+
 def test_attack_robust_rule_and_nonfinite_flags_reach_the_rounds(tmp_path):
     """--attack / --attack_fraction / --robust_rule / --on_nonfinite from the command line: the header names the
     rule and the attack, the NaN senders are left out and counted on the round line, or stop the run in one line."""
