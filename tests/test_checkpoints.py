@@ -109,30 +109,32 @@ def test_sigkilled_run_resumes_to_the_same_final_metrics(tmp_path):  # first: th
 
 
 def test_ctrl_c_is_one_line_and_the_rerun_resumes(tmp_path):
-    """Ctrl-C (SIGINT) in the middle of a run: one line naming the way on, exit status 130, no traceback from
-    the run or from orbax's checkpoint threads; the same command then resumes and finishes every round."""
+    """Ctrl-C (SIGINT to the run's process group, as a terminal sends it) in the middle of a run: one line naming
+    the way on, exit status 130, no traceback from the run or from orbax's checkpoint threads; the same command
+    then resumes and finishes every round."""
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
-    out = tmp_path / "run"
-    victim = subprocess.Popen([*RUN, f"--output_dir={out}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
+    rounds = 60  # round lines can wait in the pipe while the run goes on: 58 checkpointed rounds leave seconds
+    command = [*RUN[:-2], f"--rounds={rounds}", "--noevaluate_local", f"--output_dir={tmp_path / 'run'}"]
+    assert RUN[-2:] == [f"--rounds={ROUNDS}", "--noevaluate_local"]
+    victim = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)  # its own process group: the signal reaches it alone
     seen = ""
     while "round    2" not in seen:  # a line at a time: round 2 is checkpointed and logged
         line = victim.stdout.readline()
         assert line, "the run ended before round 2: " + victim.stderr.read()[-2000:]
         seen += line
-    victim.send_signal(signal.SIGINT)
+    os.killpg(victim.pid, signal.SIGINT)
     rest, err = victim.communicate(timeout=120)
-    assert victim.returncode == 130, err[-2000:]
+    assert f"round {rounds:4d}" not in seen + rest, "the run ended before the signal; fix the test: more rounds"
+    assert victim.returncode == 130, (victim.returncode, err[-2000:])
     assert "Traceback" not in err and err.strip().splitlines()[-1] == (
         "interrupted; rerun the same command to resume from the last checkpointed round (--noresume starts over)")
-    assert f"round {ROUNDS:4d}" not in seen + rest, "the run ended before the signal; fix the test: more --rounds"
-    again = subprocess.run([*RUN, f"--output_dir={out}"], cwd=ROOT, env=env, capture_output=True, text=True,
-                           timeout=300)
+    again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-2000:]
-    assert "resuming at round" in again.stdout and f"round {ROUNDS:4d}  GA" in again.stdout
-    assert [json.loads(l)["round"] for l in (out / "metrics.jsonl").read_text().splitlines()] == list(
-        range(1, ROUNDS + 1))
+    assert "resuming at round" in again.stdout and f"round {rounds:4d}  GA" in again.stdout
+    records = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(l)["round"] for l in records] == list(range(1, rounds + 1))
 
 
 TINY = {"w": jnp.arange(6.0).reshape(2, 3), "b": {"c": jnp.ones(4, jnp.int32)}}
