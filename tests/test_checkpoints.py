@@ -116,8 +116,15 @@ def test_ctrl_c_is_one_line_and_the_rerun_resumes(tmp_path):
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
     rounds = 60  # round lines can wait in the pipe while the run goes on: 58 checkpointed rounds leave seconds
     command = [*RUN[:-2], f"--rounds={rounds}", "--noevaluate_local", f"--output_dir={tmp_path / 'run'}"]
-    assert RUN[-2:] == [f"--rounds={ROUNDS}", "--noevaluate_local"]
-    victim = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    assert RUN[:3] == [sys.executable, "-m", "experiments.run"] and RUN[-2:] == [f"--rounds={ROUNDS}",
+                                                                                 "--noevaluate_local"]
+    # Python keeps SIGINT ignored where its parent ignored it (a background job, or make started from one, as
+    # CI may run the suite): the victim restores the KeyboardInterrupt a terminal's Ctrl-C raises, then runs
+    # the binary as `python -m` would.
+    with_ctrl_c = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                   "runpy.run_module('experiments.run', run_name='__main__', alter_sys=True)")
+    victim = subprocess.Popen([sys.executable, "-c", with_ctrl_c, *command[3:]], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               start_new_session=True)  # its own process group: the signal reaches it alone
     seen = ""
     while "round    2" not in seen:  # a line at a time: round 2 is checkpointed and logged
