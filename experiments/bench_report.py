@@ -181,7 +181,8 @@ def markdown(report) -> str:
     for r in report["rows"]:
         backend = f"{r['backend']} (default)" if r.get("default") else r["backend"]
         lines.append(f"| {r['config']} | {r['algorithm']} | {backend} | {cell(r['round_s'], '.3f')} | "
-                     f"{cell(r.get('compile_s'), '.1f')} | {cell(r['samples_per_s'], '.0f')} | {cell(r['gflops'], '.1f')} | "
+                     f"{cell(r.get('compile_s'), '.1f')} | {cell(r['samples_per_s'], '.0f')} | "
+                     f"{cell(r['gflops'], '.1f')} | "
                      f"{cell(r['peak_fraction'], '.1f', 100)} | {cell(r.get('roofline_fraction'), '.1f', 100)} | "
                      f"{cell(r.get('memory_mb') or None, '.0f')} | {cell(r['aggregation_share'], '.1%')} | "
                      f"{r['padded_work_ratio']:.2f} |")

@@ -126,5 +126,5 @@ class ArgumentParser(argparse.ArgumentParser):
         raise app.UsageError(f"{message}; fix: see --help")
 
 
-__all__ = ["ArgumentParser", "EXIT_CODE", "INTERRUPTED_EXIT_CODE", "TRACEBACK_ENV", "check_list", "guard", "message", "parse_flags", "report",
-           "run", "user_errors"]
+__all__ = ["ArgumentParser", "EXIT_CODE", "INTERRUPTED_EXIT_CODE", "TRACEBACK_ENV", "check_list", "guard", "message",
+           "parse_flags", "report", "run", "user_errors"]

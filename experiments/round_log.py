@@ -76,8 +76,7 @@ class RoundLog:
         if self._sink is None:
             first = int(record["round"])
             if first > 1:  # simulate restored the rounds before it
-                print(f"resuming at round {first}: rounds 1-{first - 1} restored from the last checkpoint "
-                      "(--noresume starts over)", file=self.stream, flush=True)
+                self._say(f"resuming at round {first}: rounds 1-{first - 1} restored from the last checkpoint")
             self._sink = self._open_sink(first_round=first)
         self._sink.write(json.dumps(record) + "\n")
         self._sink.flush()
@@ -87,6 +86,10 @@ class RoundLog:
             for name, value in numeric_items(record).items():
                 writer.add_scalar(name, value, global_step=int(record["round"]))
             writer.flush()
+
+    def _say(self, restored: str) -> None:
+        """One console line about the rounds restored from a checkpoint, and how to start over instead."""
+        print(f"{restored} (--noresume starts over)", file=self.stream, flush=True)
 
     def _open_sink(self, first_round: int) -> TextIO:
         """metrics.jsonl for appending, holding only the records already there of rounds before ``first_round``
@@ -158,8 +161,7 @@ class RoundLog:
         """After the last round: closes the progress bar and rewrites metrics.jsonl from ``simulate``'s columns
         ``metrics`` (rounds restored from a checkpoint included), one record per round."""
         if self._sink is None and metrics.get("round"):  # every round restored: this process trained none
-            print(f"all {len(metrics['round'])} rounds restored from the last checkpoint: nothing left to train "
-                  "(--noresume starts over)", file=self.stream, flush=True)
+            self._say(f"all {len(metrics['round'])} rounds restored from the last checkpoint: nothing left to train")
         self._close_bar()
         if self._sink is not None:
             self._sink.close()

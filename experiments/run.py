@@ -617,11 +617,11 @@ def main(argv):
         shutil.rmtree(checkpoints, ignore_errors=True)
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(FLAGS.output_dir, "metrics.jsonl"))
+    attack = f", attack {run.attack.kind} by {run.attack.fraction:.0%} of the clients" if run.attack else ""
     print(f"{algorithm.name} on {dataset.name} ({dataset.source}): {fed.num_clients} clients, "
           f"sizes {int(fed.counts.min())}..{int(fed.counts.max())}, {FLAGS.partition}, "
           f"{FLAGS.rounds} rounds, E={algorithm.local_epochs}, B={algorithm.batch_size}, lr={FLAGS.lr}, "
-          f"hparams={algorithm.hparams}, clients with pi_n < 1e-3: {int(np.sum(fed.weights < 1e-3))}"
-          + (f", attack {run.attack.kind} by {run.attack.fraction:.0%} of the clients" if run.attack else ""), flush=True)
+          f"hparams={algorithm.hparams}, clients with pi_n < 1e-3: {int(np.sum(fed.weights < 1e-3))}{attack}", flush=True)
 
     with round_log.RoundLog(FLAGS.output_dir, FLAGS.rounds, round_log.round_line, tensorboard=FLAGS.tensorboard) as log:
         result = bf.simulate(
@@ -688,8 +688,8 @@ def finish(run: Experiment, result, log: round_log.RoundLog) -> None:
         summary["final_client_test_accuracy"] = result.metrics["client_test_accuracy"][-1]
     summary["uncertainty"], evaluation = final_evaluation(algorithm, result.state.server, run.fed)
     log.final(summary["uncertainty"], step=result.metrics["round"][-1])
-    print("final predictive: " + ", ".join(f"{PRINTED_AS.get(k, k)} {_printed(v)}" for k, v in summary["uncertainty"].items()
-                                           if isinstance(v, float)), flush=True)
+    printed = [f"{PRINTED_AS.get(k, k)} {_printed(v)}" for k, v in summary["uncertainty"].items() if isinstance(v, float)]
+    print("final predictive: " + ", ".join(printed), flush=True)
     _write_json("summary.json", summary)
     _write_json("evaluation.json", evaluation)
     print(f"done: round-1 GA {ga[0]:.4f}, best GA {np.nanmax(ga):.4f}, final GA {ga[-1]:.4f} -> {FLAGS.output_dir}")

@@ -61,7 +61,8 @@ def test_attack_robust_rule_and_nonfinite_flags_reach_the_rounds(tmp_path):
     assert record["nonfinite_clients"] == 2 and np.isfinite(record["global_loss"])
     stop = _run(*flags, "--on_nonfinite=stop", f"--output_dir={tmp_path / 'stop'}", check=False)
     assert stop.returncode == 2 and "Traceback" not in stop.stderr
-    assert re.fullmatch(r"error: round 1: client \d sent NaN or Inf \(2 client\(s\) this round\); fix: .*\n", stop.stderr)
+    assert re.fullmatch(r"error: round 1: client \d sent NaN or Inf \(2 client\(s\) this round\); fix: .*\n",
+                        stop.stderr)
 
 
 def test_server_pretraining_flag_and_options_of_other_algorithms(tmp_path):
