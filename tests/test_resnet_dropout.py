@@ -73,11 +73,16 @@ def _both_backends(algo, fed):
     return [r.state.server for r in runs]
 
 
-@pytest.mark.parametrize("model", [SMALL, bf.models.MLP(hidden=(32,), dropout_rate=0.2)], ids=["resnet", "mc_dropout"])
-def test_fedavg_train_mode_models_vmap_matches_sequential(model, tiny_fed):
+# The ResNet's tolerance: under the suite's compile flags (conftest.FAST_COMPILE_FLAGS: -O0 with the elemental
+# emitters) on an AVX-512 machine, the batched and the per-client convolutions sum in different orders, and
+# BatchNorm over 32-sample batches amplifies that to 2.1e-4 in the conv kernels after one round (0 under XLA's
+# default flags; /tmp script, session 27). A lost BatchNorm update would leave running means 0.14-0.57 off.
+@pytest.mark.parametrize("model,atol", [(SMALL, 1e-3), (bf.models.MLP(hidden=(32,), dropout_rate=0.2), 2e-5)],
+                         ids=["resnet", "mc_dropout"])
+def test_fedavg_train_mode_models_vmap_matches_sequential(model, atol, tiny_fed):
     algo = bf.algorithms.fedavg(model, lr=0.05, batch_size=32)
     vmapped, sequential = _both_backends(algo, tiny_fed)
-    chex.assert_trees_all_close(vmapped, sequential, atol=2e-5, rtol=1e-4)
+    chex.assert_trees_all_close(vmapped, sequential, atol=atol, rtol=1e-4)
     init = bf.models.init_params(model, tiny_fed.input_shape, jax.random.fold_in(jax.random.PRNGKey(0), 0))
     if model_apply.has_batch_stats(model):  # the running statistics moved and were averaged like any leaf
         assert not np.allclose(vmapped["params"]["batch_stats"]["_Unit_0"]["BatchNorm_0"]["var"],
