@@ -45,6 +45,7 @@ flags.DEFINE_integer("steps", 20, "Iterations of each jitted loop.")
 flags.DEFINE_integer("repeats", 5, "Timed runs of each loop (the fastest reported).")
 flags.DEFINE_integer("batch_size", 10, "Images per step.")
 flags.DEFINE_integer("robust_clients", 100, "Clients of the robust rules' rows (each an MLP 784-200-200-10).")
+flags.DEFINE_integer("fola_clients", 100, "Clients of the FOLA rounds' rows (100 images each, B = 50).")
 flags.DEFINE_string("output", None, "Also write the markdown table to this file.")
 for _name in ("steps", "repeats", "batch_size", "robust_clients"):
     flags.register_validator(_name, lambda v: v >= 1, message=f"--{_name} must be >= 1")
@@ -150,13 +151,13 @@ def loops(model, params, batch):
 
 
 def fola_round_ms(fed_images, swap, diagnostics: bool = False) -> tuple[float, float]:
-    """``(library, plain)``: FOLA's default-layout round (100 clients x 100 images, B = 50, in turn on every
+    """``(library, plain)``: FOLA's default-layout round (``--fola_clients`` x 100 images, B = 50, in turn on every
     core; ``diagnostics``: with its per-round precision diagnostics, the default), compiled as it is and with
     ``swap`` (a ``mock.patch`` of the library's form by the plain one) active, the two rounds taken in turn;
     fastest of ``--repeats`` ms each."""
     import bfedjax as bf
     from experiments import bench
-    config = bench.Config("mlp K=100 B=50", "uniform", 100, 50, clients_per_chunk=1)
+    config = bench.Config(f"mlp K={FLAGS.fola_clients} B=50", "uniform", FLAGS.fola_clients, 50, clients_per_chunk=1)
     fed = bench.federate(fed_images, config)
     model = bf.models.get_model("mlp", 10, hidden=(200, 200))
     algorithm = bf.algorithms.build("fola", model, fed, batch_size=50, lr=0.01, precision_diagnostics=diagnostics)
@@ -201,7 +202,8 @@ def main(argv):
         lines.append(f"| {name} | {fast:.3f} | {slow:.3f} | {slow / fast:.2f}x |")
         print(lines[-1], flush=True)
     images, fola_module = bench.load_images(), sys.modules["bfedjax.algorithms.fola"]
-    round_name = f"FOLA round, 100 clients x 100 images, B = 50, in turn on {devices} devices (rounds alternated)"
+    round_name = (f"FOLA round, {FLAGS.fola_clients} clients x 100 images, B = 50, in turn on {devices} devices "
+                  "(rounds alternated)")
     fast, slow = fola_round_ms(images, mock.patch.object(bf.core.engine, "finite_rows", plain_finite_rows))
     lines.append(f"| finite check: {round_name} | {fast:.1f} | {slow:.1f} | {slow / fast:.2f}x |")
     print(lines[-1], flush=True)

@@ -58,10 +58,16 @@ def _damage_lines(caplog):
     return [r.getMessage() for r in caplog.records if re.match(r"checkpoint rounds? .* damaged", r.getMessage())]
 
 
-ROUNDS = 10  # rounds 3..10 and the final evaluation leave the kill a second or more
+ROUNDS = 12  # a Ctrl-C after round 2, then a SIGKILL two rounds after the resume: rounds 7..12 and the final
+# evaluation leave the kill a second or more
 RUN = [sys.executable, "-m", "experiments.run", "--dataset=digits", "--num_clients=4", "--hidden=16",
        "--batch_size=16", "--lr=0.1", "--partition=dirichlet_per_class", "--alpha=0.5", "--max_train=400",
        "--algorithm=fedavg", f"--rounds={ROUNDS}", "--noevaluate_local"]
+# Python keeps SIGINT ignored where its parent ignored it (a background job, or make started from one, as CI may
+# run the suite): the victims restore the KeyboardInterrupt a terminal's Ctrl-C raises, then run the binary as
+# `python -m` would.
+WITH_CTRL_C = [sys.executable, "-c", "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+               "runpy.run_module('experiments.run', run_name='__main__', alter_sys=True)", *RUN[3:]]
 
 
 def _records(output_dir):
@@ -75,73 +81,60 @@ def _summary(output_dir):
     return json.dumps({k: v for k, v in summary.items() if k != "flags"}, sort_keys=True)  # flags: the output dir
 
 
-def test_sigkilled_run_resumes_to_the_same_final_metrics(tmp_path):  # first: the slowest, xdist starts it at once
-    # A compilation cache shared by the three processes keeps this test short; it changes no number.
+def _read_until(victim, text):
+    """The victim's stdout, a line at a time, up to the line holding ``text``."""
+    seen = ""
+    while text not in seen:
+        line = victim.stdout.readline()
+        assert line, f"the run ended before {text!r}: " + seen[-1000:] + victim.stderr.read()[-2000:]
+        seen += line
+    return seen
+
+
+def test_interrupted_then_killed_run_resumes_to_the_same_final_metrics(tmp_path):  # first: the slowest
+    """Ctrl-C (SIGINT to the run's process group, as a terminal sends it) after round 2: one line naming the way
+    on, exit status 130, no traceback from the run or from orbax's checkpoint threads. The same command resumes;
+    SIGKILL two rounds later; the same command again finishes with the metrics and summary of a run never
+    stopped."""
+    # A compilation cache shared by the four processes keeps this test short; it changes no number.
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     done = subprocess.run([*RUN, f"--output_dir={straight}"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
 
-    with open(tmp_path / "killed.log", "w") as log:  # the child keeps its own descriptor
-        victim = subprocess.Popen([*RUN, f"--output_dir={killed}"], cwd=ROOT, env=env, stdout=log,
-                                  stderr=subprocess.STDOUT)
-    metrics, deadline = killed / "metrics.jsonl", time.monotonic() + 300
-    try:
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # round 2 is checkpointed, logged
-            assert victim.poll() is None, (tmp_path / "killed.log").read_text()[-2000:]
-            assert time.monotonic() < deadline, "no round 2 after 300 s"
-            time.sleep(0.01)
-    finally:
-        victim.kill()  # SIGKILL; a no-op for a process that already ended
-    assert victim.wait(timeout=60) == -signal.SIGKILL, "the run ended before the kill; fix the test: more --rounds"
-    assert not (killed / "summary.json").exists() and metrics.read_text().count("\n") < ROUNDS
+    def victim():  # its own process group: the signals reach it alone
+        return subprocess.Popen([*WITH_CTRL_C, f"--output_dir={stopped}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
 
-    again = subprocess.run([*RUN, f"--output_dir={killed}"], cwd=ROOT, env=env, capture_output=True, text=True,
+    interrupted = victim()
+    seen = _read_until(interrupted, "round    2")  # round 2 is checkpointed and logged
+    os.killpg(interrupted.pid, signal.SIGINT)
+    rest, err = interrupted.communicate(timeout=120)
+    assert f"round {ROUNDS:4d}" not in seen + rest, "the run ended before the signal; fix the test: more rounds"
+    assert interrupted.returncode == 130, (interrupted.returncode, err[-2000:])
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == (
+        "interrupted; rerun the same command to resume from the last checkpointed round (--noresume starts over)")
+
+    killed = victim()
+    resumed = re.search(r"^resuming at round (\d+): rounds 1-\d+ restored from the last checkpoint",
+                        _read_until(killed, "resuming at round"), re.M)
+    assert resumed and 3 <= int(resumed[1]) < ROUNDS, resumed
+    seen = _read_until(killed, f"round {int(resumed[1]) + 1:4d}")
+    os.killpg(killed.pid, signal.SIGKILL)
+    rest, _ = killed.communicate(timeout=60)
+    assert killed.returncode == -signal.SIGKILL, "the run ended before the kill; fix the test: more rounds"
+    assert not (stopped / "summary.json").exists() and f"round {ROUNDS:4d}" not in seen + rest
+
+    again = subprocess.run([*RUN, f"--output_dir={stopped}"], cwd=ROOT, env=env, capture_output=True, text=True,
                            timeout=300)
     assert again.returncode == 0, again.stderr[-2000:]
     assert "round    1  GA" not in again.stdout and f"round {ROUNDS:4d}  GA" in again.stdout  # resumed
     assert re.search(r"^resuming at round \d+: rounds 1-\d+ restored from the last checkpoint", again.stdout, re.M)
     assert "damaged" not in again.stderr
-    assert _records(killed) == _records(straight) and len(_records(straight)) == ROUNDS
-    assert _summary(killed) == _summary(straight)
-
-
-def test_ctrl_c_is_one_line_and_the_rerun_resumes(tmp_path):
-    """Ctrl-C (SIGINT to the run's process group, as a terminal sends it) in the middle of a run: one line naming
-    the way on, exit status 130, no traceback from the run or from orbax's checkpoint threads; the same command
-    then resumes and finishes every round."""
-    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
-    rounds = 60  # round lines can wait in the pipe while the run goes on: 58 checkpointed rounds leave seconds
-    command = [*RUN[:-2], f"--rounds={rounds}", "--noevaluate_local", f"--output_dir={tmp_path / 'run'}"]
-    assert RUN[:3] == [sys.executable, "-m", "experiments.run"] and RUN[-2:] == [f"--rounds={ROUNDS}",
-                                                                                 "--noevaluate_local"]
-    # Python keeps SIGINT ignored where its parent ignored it (a background job, or make started from one, as
-    # CI may run the suite): the victim restores the KeyboardInterrupt a terminal's Ctrl-C raises, then runs
-    # the binary as `python -m` would.
-    with_ctrl_c = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
-                   "runpy.run_module('experiments.run', run_name='__main__', alter_sys=True)")
-    victim = subprocess.Popen([sys.executable, "-c", with_ctrl_c, *command[3:]], cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True)  # its own process group: the signal reaches it alone
-    seen = ""
-    while "round    2" not in seen:  # a line at a time: round 2 is checkpointed and logged
-        line = victim.stdout.readline()
-        assert line, "the run ended before round 2: " + victim.stderr.read()[-2000:]
-        seen += line
-    os.killpg(victim.pid, signal.SIGINT)
-    rest, err = victim.communicate(timeout=120)
-    assert f"round {rounds:4d}" not in seen + rest, "the run ended before the signal; fix the test: more rounds"
-    assert victim.returncode == 130, (victim.returncode, err[-2000:])
-    assert "Traceback" not in err and err.strip().splitlines()[-1] == (
-        "interrupted; rerun the same command to resume from the last checkpointed round (--noresume starts over)")
-    again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0, again.stderr[-2000:]
-    assert "resuming at round" in again.stdout and f"round {rounds:4d}  GA" in again.stdout
-    records = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(l)["round"] for l in records] == list(range(1, rounds + 1))
+    assert _records(stopped) == _records(straight) and len(_records(straight)) == ROUNDS
+    assert _summary(stopped) == _summary(straight)
 
 
 TINY = {"w": jnp.arange(6.0).reshape(2, 3), "b": {"c": jnp.ones(4, jnp.int32)}}

@@ -64,6 +64,25 @@ def test_digits_shapes_dtypes_ranges():
     assert np.all(np.abs(frac - 0.2) < 0.02)
 
 
+def test_digits_read_from_sklearns_file_equal_load_digits(monkeypatch):
+    """The digits come from sklearn's CSV file without importing sklearn, exactly as ``load_digits`` gives them;
+    without the file, from ``load_digits`` itself."""
+    import subprocess
+    import sys
+    from sklearn.datasets import load_digits
+    from bfedjax.data import sources
+    want = load_digits()
+    images, labels = sources.sklearn_digits()
+    np.testing.assert_array_equal(images, want.images)
+    np.testing.assert_array_equal(labels, want.target)
+    assert images.dtype == want.images.dtype and labels.dtype == want.target.dtype
+    monkeypatch.setattr(sources.os.path, "exists", lambda path: False)
+    np.testing.assert_array_equal(sources.sklearn_digits()[0], want.images)
+    fresh = subprocess.run([sys.executable, "-c", "import sys; from bfedjax.data.sources import sklearn_digits; "
+                            "sklearn_digits(); print('sklearn' in sys.modules)"], capture_output=True, text=True)
+    assert fresh.stdout.strip() == "False", fresh.stderr[-2000:]
+
+
 def test_digits_deterministic():
     a, b = load("digits"), load("digits", seed=123)  # seed only affects subsampling
     np.testing.assert_array_equal(a.x_train, b.x_train)

@@ -330,12 +330,13 @@ def test_bench_reductions_smoke(tmp_path):
     """The library's sums against jnp.sum's, its median against jnp.median's and the robust rules against a sort:
     ten rows with positive times, written where --output says."""
     out_file = tmp_path / "reductions.md"
-    _script("experiments.bench_reductions", "--steps=2", "--repeats=1", "--robust_clients=8", f"--output={out_file}")
+    _script("experiments.bench_reductions", "--steps=2", "--repeats=1", "--robust_clients=8", "--fola_clients=8",
+            f"--output={out_file}")
     rows = [line for line in out_file.read_text().splitlines() if line.startswith("| ") and "---" not in line][1:]
     names = [row.split(" | ")[0].lstrip("| ") for row in rows]
     assert names[0] == "clip norm (SGD step, FOLA's pull)" and names[1].startswith("clip norm (Adam step")
     assert names[2] == "DP-SGD step" and len(names) == 10
-    assert names[3].startswith("finite check: FOLA round") and names[4].startswith("median of 199,210 floats")
+    assert names[3].startswith("finite check: FOLA round, 8 clients") and names[4].startswith("median of 199,210 floats")
     assert names[5].startswith("column count below a threshold, 8 clients")
     assert names[6].startswith("robust median of 8 clients") and names[7].startswith("robust trimmed mean")
     assert names[8].startswith("robust product") and names[9].startswith("median: FOLA round") and names[9].endswith("precision diagnostics on (FOLA's default)")
