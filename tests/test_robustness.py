@@ -203,17 +203,19 @@ def test_robust_layer_puts_the_rule_under_any_algorithm(small_fed, tiny_model, t
     fedavg = bf.algorithms.fedavg(tiny_model, lr=0.1, batch_size=32)
     messages = {"params": jax.tree.map(lambda p: jnp.stack([p, 2 * p, 10 * p]), tiny_params)}
     w, mask = jnp.array([0.2, 0.3, 0.5]), jnp.ones(3)
-    server, _ = bf.algorithms.with_robust_aggregation(fedavg, "median").server_update(
+    # jitted: one compilation each, not one per operation of the order statistics' bisections
+    server, _ = jax.jit(bf.algorithms.with_robust_aggregation(fedavg, "median").server_update)(
         {"params": tiny_params}, messages, w, mask, {}, jax.random.PRNGKey(0))
     chex.assert_trees_all_close(server["params"], coordinate_median(messages["params"], mask))
     four = {"params": jax.tree.map(lambda p: jnp.stack([p, 2 * p, 3 * p, 10 * p]), tiny_params)}
-    server, metrics = bf.algorithms.with_robust_aggregation(fedavg, "krum", byzantine_fraction=0.0).server_update(
-        {"params": tiny_params}, four, jnp.full(4, 0.25), jnp.ones(4), {}, jax.random.PRNGKey(0))
+    server, metrics = jax.jit(bf.algorithms.with_robust_aggregation(fedavg, "krum", byzantine_fraction=0.0)
+                              .server_update)({"params": tiny_params}, four, jnp.full(4, 0.25), jnp.ones(4), {},
+                                              jax.random.PRNGKey(0))
     assert float(metrics["robust_kept"]) == 1.0  # 2p: squared distances 1 + 1 to its 2 nearest, the lowest score
     chex.assert_trees_all_close(server["params"], jax.tree.map(lambda p: 2 * p, tiny_params))
     fola = bf.algorithms.fola(tiny_model, lr=0.1, batch_size=32)
     precision = jax.tree.map(lambda p: jnp.ones((3,) + p.shape), tiny_params)
-    server, _ = bf.algorithms.with_robust_aggregation(fola, "robust_product", trim=0.34).server_update(
+    server, _ = jax.jit(bf.algorithms.with_robust_aggregation(fola, "robust_product", trim=0.34).server_update)(
         {"params": tiny_params, "precision": jax.tree.map(jnp.zeros_like, tiny_params)},
         {**messages, "precision": precision}, w, mask, {}, jax.random.PRNGKey(0))
     chex.assert_trees_all_close(server["params"], jax.tree.map(lambda p: 2 * p, tiny_params), rtol=1e-5, atol=1e-6)
