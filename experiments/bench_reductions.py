@@ -47,7 +47,7 @@ flags.DEFINE_integer("batch_size", 10, "Images per step.")
 flags.DEFINE_integer("robust_clients", 100, "Clients of the robust rules' rows (each an MLP 784-200-200-10).")
 flags.DEFINE_integer("fola_clients", 100, "Clients of the FOLA rounds' rows (100 images each, B = 50).")
 flags.DEFINE_string("output", None, "Also write the markdown table to this file.")
-for _name in ("steps", "repeats", "batch_size", "robust_clients"):
+for _name in ("steps", "repeats", "batch_size", "robust_clients", "fola_clients"):
     flags.register_validator(_name, lambda v: v >= 1, message=f"--{_name} must be >= 1")
 
 
