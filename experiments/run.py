@@ -621,7 +621,8 @@ def main(argv):
     print(f"{algorithm.name} on {dataset.name} ({dataset.source}): {fed.num_clients} clients, "
           f"sizes {int(fed.counts.min())}..{int(fed.counts.max())}, {FLAGS.partition}, "
           f"{FLAGS.rounds} rounds, E={algorithm.local_epochs}, B={algorithm.batch_size}, lr={FLAGS.lr}, "
-          f"hparams={algorithm.hparams}, clients with pi_n < 1e-3: {int(np.sum(fed.weights < 1e-3))}{attack}", flush=True)
+          f"hparams={algorithm.hparams}, clients with pi_n < 1e-3: {int(np.sum(fed.weights < 1e-3))}{attack}",
+          flush=True)
 
     with round_log.RoundLog(FLAGS.output_dir, FLAGS.rounds, round_log.round_line, tensorboard=FLAGS.tensorboard) as log:
         result = bf.simulate(
@@ -688,7 +689,8 @@ def finish(run: Experiment, result, log: round_log.RoundLog) -> None:
         summary["final_client_test_accuracy"] = result.metrics["client_test_accuracy"][-1]
     summary["uncertainty"], evaluation = final_evaluation(algorithm, result.state.server, run.fed)
     log.final(summary["uncertainty"], step=result.metrics["round"][-1])
-    printed = [f"{PRINTED_AS.get(k, k)} {_printed(v)}" for k, v in summary["uncertainty"].items() if isinstance(v, float)]
+    printed = [f"{PRINTED_AS.get(k, k)} {_printed(v)}" for k, v in summary["uncertainty"].items()
+               if isinstance(v, float)]
     print("final predictive: " + ", ".join(printed), flush=True)
     _write_json("summary.json", summary)
     _write_json("evaluation.json", evaluation)
