@@ -9,9 +9,7 @@ The variant is the library's ``algorithms/local_sgd.py`` with one replacement, l
 """
 import importlib.util
 import os
-import statistics
 import sys
-import time
 
 import numpy as np
 
@@ -47,14 +45,8 @@ def main():
     fns["fola_negated_norm"] = fola_step.epoch_fn("fola", fed)
     fola_module.make_sgd_client = library.make_sgd_client
     fns["fedavg"] = fola_step.epoch_fn("fedavg", fed)
-    times = {name: [] for name in fns}
-    for _ in range(100):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    for name, t in times.items():
-        print(f"{name}: {1e6 * statistics.median(t) / fola_step.STEPS:.0f} us per step (median of 100 epochs)")
+    for name, us in fola_step.alternated(fns, 100).items():
+        print(f"{name}: {us:.0f} us per step (median of 100 epochs)")
 
 
 if __name__ == "__main__":
