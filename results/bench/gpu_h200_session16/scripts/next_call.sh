@@ -1,5 +1,5 @@
 #!/bin/bash
-# Prepared for the next session with a GPU (not yet run): one call, about 7 minutes.
+# Prepared for the next session with a GPU (not yet run): one call, about 8 minutes.
 # 1. The ResNet-20 compile at HEAD and at d833bca (before session 15's guide and replay) on one machine:
 #    separates the host from the code (session 16: 25.7 and 31.5 s on two H200 machines).
 # 2. FedAvg's factored dense update (the saved patch) and the same on large kernels only (on top of it)
@@ -7,17 +7,24 @@
 #    the FedReg CNN, the FedAvg target rows with it.
 # 3. (added in session 19) the cost of FOLA's Table I augmentation in a round on the GPU
 #    (experiments.bench_augment; 2 CPU cores: 1.28x FedAvg's round, 1.34x FOLA's).
+# 4. (added in session 28) the ResNet-20 compile with the variational clients' optimiser under optax.flatten
+#    (one flat vector, v4). On the 2-core CPU (resnet_compile_split.py, resnet_compile_split_cpu.txt: two pairs
+#    in turn) the optimised HLO fell from 104,257 to 89,754 lines and the fusions from 3,695 to 3,533, and XLA
+#    took 43.7 / 41.9 s against 46.0 / 43.4 s: within this VM's noise, so not kept (the server half alone
+#    compiles in 2.2 s: the local step is where the time is). On a GPU each fusion is a kernel to compile.
+#    Keep it if v4 compiles at least 10% faster than both head runs and its round is no more than 3% slower.
 # Preparation, here, from the repository root (.gpu/ is in .git/info/exclude), then run with carry [".gpu"]:
-#   S=results/bench/gpu_h200_session16/scripts; rm -rf .gpu && mkdir -p .gpu/data .gpu/head .gpu/old .gpu/v2 .gpu/v3
+#   S=results/bench/gpu_h200_session16/scripts; rm -rf .gpu && mkdir -p .gpu/data .gpu/head .gpu/old .gpu/v2 .gpu/v3 .gpu/v4
 #   cp /usr/share/datasets/fashion-mnist/*.gz .gpu/data/; cp $S/ctime.py $S/next_call.sh .gpu/
 #   cp results/bench/gpu_h100_targets/scripts/prof_round.py .gpu/
 #   git archive HEAD bfedjax experiments | tar -x -C .gpu/head; git archive d833bca bfedjax experiments | tar -x -C .gpu/old
-#   for v in v2 v3; do git archive HEAD bfedjax experiments | tar -x -C .gpu/$v; done
+#   for v in v2 v3 v4; do git archive HEAD bfedjax experiments | tar -x -C .gpu/$v; done
+#   (cd .gpu/v4 && patch -p1 < ../../$S/optax_flatten.patch)
 #   (cd .gpu/v2 && patch -p1 < ../../$S/factored_dense_update.patch)
 #   (cd .gpu/v3 && patch -p1 < ../../$S/factored_dense_update.patch && patch -p1 < ../../$S/large_kernels_only.patch)
 export PYTHONUNBUFFERED=1 BFEDJAX_DATA_DIR=$PWD/.gpu/data
 G=$PWD/.gpu; nvidia-smi -L; lscpu | grep "Model name"; date +%T
-for c in head old head; do (cd $G/$c && PYTHONPATH=$PWD timeout 90 python3 $G/ctime.py 2>&1 | grep CTIME | sed "s/^/$c /"); done | tee $OUT/ctime.txt
+for c in head old head v4; do (cd $G/$c && PYTHONPATH=$PWD timeout 90 python3 $G/ctime.py 2>&1 | grep CTIME | sed "s/^/$c /"); done | tee $OUT/ctime.txt
 SPECS="100:fedavg:mlp:4 1000:fedavg:mlp:4 100:fedavg:fedreg_cnn:4"
 for c in head v2 v3; do (cd $G/$c && PYTHONPATH=$PWD NOPROF=1 timeout 90 python3 $G/prof_round.py $SPECS 2>&1 | grep TIME | sed "s/^/$c /"); done | tee $OUT/probes.txt
 date +%T

@@ -1,0 +1,61 @@
+"""Compile of the variational ResNet-20 round (BFL, K = 10, B = 32, as ``ctime.py`` builds it) or of its server
+half alone (``Algorithm.aggregate`` jitted on 10 stacked copies of the server state), with the optimised HLO's
+size; ``round`` also runs 1 round (``--rounds=N``: N). Session 28, on the 2-core CPU:
+
+    python results/bench/gpu_h200_session16/scripts/resnet_compile_split.py round
+    python results/bench/gpu_h200_session16/scripts/resnet_compile_split.py server
+
+and ``round`` again in a tree with ``optax_flatten.patch`` applied (the comparison in ``next_call.sh``).
+"""
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+import bfedjax as bf
+from bfedjax.core import RoundConfig, init_state, make_round_step, with_fixed_local_steps, with_own_buffers
+from bfedjax.core.simulate import round_arrays, traced_hparams
+from experiments.bench_round import SHAPES, federation
+
+
+def main(argv):
+    what = argv[0]
+    rounds = int(next((a.split("=", 1)[1] for a in argv if a.startswith("--rounds=")), 1))
+    fed = federation(10, SHAPES["resnet20"])
+    algo = bf.algorithms.build("bfl", bf.models.get_model("resnet20", 10), fed, batch_size=32).replace(evaluate=None)
+    arrays = round_arrays(fed)
+    config = with_fixed_local_steps(RoundConfig(10, 10, evaluate_local=False), arrays)
+    params = algo.init_params(jax.random.PRNGKey(0), fed.input_shape)
+    state = with_own_buffers(init_state(algo, params, config), params)
+    hparams = traced_hparams(algo, 1)
+    if what == "round":
+        fn, args = make_round_step(algo, config, "vmap", donate_state=True), (state, arrays, jax.random.PRNGKey(0), hparams)
+    else:
+        messages = jax.tree.map(lambda x: jnp.stack([x] * 10), state.server)
+        fn = jax.jit(lambda server, messages, hparams: algo.aggregate(
+            server, messages, jnp.full((10,), 0.1), jnp.ones((10,)), {**hparams, "cohort_weight": jnp.float32(1)},
+            jax.random.PRNGKey(0)))
+        args = (state.server, messages, hparams)
+    t0 = time.perf_counter()
+    traced = fn.trace(*args)
+    t1 = time.perf_counter()
+    lowered = traced.lower()
+    t2 = time.perf_counter()
+    compiled = lowered.compile()
+    t3 = time.perf_counter()
+    text = compiled.as_text().splitlines()
+    round_s = []
+    if what == "round":
+        state = args[0]
+        for r in range(rounds):
+            start = time.perf_counter()
+            state, _ = compiled(state, arrays, jax.random.PRNGKey(r), hparams)
+            jax.block_until_ready(state)
+            round_s.append(round(time.perf_counter() - start, 2))
+    print(f"{what}: trace {t1 - t0:.2f}s lower {t2 - t1:.2f}s xla {t3 - t2:.2f}s hlo_lines {len(text)} "
+          f"fusions {sum(' fusion(' in line for line in text)} rounds_s {round_s}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
