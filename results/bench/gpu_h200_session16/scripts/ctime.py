@@ -6,23 +6,34 @@ from experiments.bench_round import federation, SHAPES
 from bfedjax.core import RoundConfig, init_state, make_round_step, with_fixed_local_steps, with_own_buffers
 from bfedjax.core.layout import random_bits_lowering
 from bfedjax.core.simulate import round_arrays, traced_hparams
-opts = {}
-for a in sys.argv[1:]:
-    k, v = a.split("=", 1); opts[k] = int(v) if v.lstrip("-").isdigit() else {"true": True, "false": False}.get(v, v)
-fed = federation(10, SHAPES["resnet20"])
-model = bf.models.get_model("resnet20", 10)
-algo = bf.algorithms.build("bfl", model, fed, batch_size=32).replace(evaluate=None)
-arrays = round_arrays(fed)
-cfg = with_fixed_local_steps(RoundConfig(10, 10, evaluate_local=False), arrays)
-params = algo.init_params(jax.random.PRNGKey(0), fed.input_shape)
-state = with_own_buffers(init_state(algo, params, cfg), params)
-step = make_round_step(algo, cfg, "vmap", donate_state=True)
-hp = traced_hparams(algo, 1)
-with random_bits_lowering():
-    t0 = time.perf_counter(); traced = step.trace(state, arrays, jax.random.PRNGKey(0), hp)
-    t1 = time.perf_counter(); lowered = traced.lower(); t2 = time.perf_counter()
-    compiled = lowered.compile(compiler_options=opts); t3 = time.perf_counter()
-times = []
-for r in range(13):
-    s = time.perf_counter(); state, met = compiled(state, arrays, jax.random.PRNGKey(r), hp); jax.block_until_ready((state, met)); times.append(time.perf_counter() - s)
-print(f"CTIME {opts}: trace {t1-t0:.2f}s lower {t2-t1:.2f}s xla {t3-t2:.2f}s round median {1e3*statistics.median(times[3:]):.1f} ms", flush=True)
+
+
+def resnet20_round():
+    """``(algorithm, round step, donated state, round arrays, hparams)`` of the round (also resnet_compile_split.py's)."""
+    fed = federation(10, SHAPES["resnet20"])
+    model = bf.models.get_model("resnet20", 10)
+    algo = bf.algorithms.build("bfl", model, fed, batch_size=32).replace(evaluate=None)
+    arrays = round_arrays(fed)
+    cfg = with_fixed_local_steps(RoundConfig(10, 10, evaluate_local=False), arrays)
+    params = algo.init_params(jax.random.PRNGKey(0), fed.input_shape)
+    state = with_own_buffers(init_state(algo, params, cfg), params)
+    return algo, make_round_step(algo, cfg, "vmap", donate_state=True), state, arrays, traced_hparams(algo, 1)
+
+
+def main(argv, rounds=13):
+    opts = {}
+    for a in argv:
+        k, v = a.split("=", 1); opts[k] = int(v) if v.lstrip("-").isdigit() else {"true": True, "false": False}.get(v, v)
+    _, step, state, arrays, hp = resnet20_round()
+    with random_bits_lowering():
+        t0 = time.perf_counter(); traced = step.trace(state, arrays, jax.random.PRNGKey(0), hp)
+        t1 = time.perf_counter(); lowered = traced.lower(); t2 = time.perf_counter()
+        compiled = lowered.compile(compiler_options=opts); t3 = time.perf_counter()
+    times = []
+    for r in range(rounds):
+        s = time.perf_counter(); state, met = compiled(state, arrays, jax.random.PRNGKey(r), hp); jax.block_until_ready((state, met)); times.append(time.perf_counter() - s)
+    print(f"CTIME {opts}: trace {t1-t0:.2f}s lower {t2-t1:.2f}s xla {t3-t2:.2f}s round median {1e3*statistics.median(times[min(3, rounds - 1):]):.1f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,4 +1,4 @@
-"""Compile of the variational ResNet-20 round (BFL, K = 10, B = 32, as ``ctime.py`` builds it) or of its server
+"""Compile of the variational ResNet-20 round (BFL, K = 10, B = 32, ``ctime.resnet20_round``) or of its server
 half alone (``Algorithm.aggregate`` jitted on 10 stacked copies of the server state), with the optimised HLO's
 size; ``round`` also runs 1 round (``--rounds=N``: N). Session 28, on the 2-core CPU:
 
@@ -7,30 +7,23 @@ size; ``round`` also runs 1 round (``--rounds=N``: N). Session 28, on the 2-core
 
 and ``round`` again in a tree with ``optax_flatten.patch`` applied (the comparison in ``next_call.sh``).
 """
+import os
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
 
-import bfedjax as bf
-from bfedjax.core import RoundConfig, init_state, make_round_step, with_fixed_local_steps, with_own_buffers
-from bfedjax.core.simulate import round_arrays, traced_hparams
-from experiments.bench_round import SHAPES, federation
+sys.path.insert(0, os.path.dirname(__file__))
+from ctime import resnet20_round  # noqa: E402
 
 
 def main(argv):
     what = argv[0]
     rounds = int(next((a.split("=", 1)[1] for a in argv if a.startswith("--rounds=")), 1))
-    fed = federation(10, SHAPES["resnet20"])
-    algo = bf.algorithms.build("bfl", bf.models.get_model("resnet20", 10), fed, batch_size=32).replace(evaluate=None)
-    arrays = round_arrays(fed)
-    config = with_fixed_local_steps(RoundConfig(10, 10, evaluate_local=False), arrays)
-    params = algo.init_params(jax.random.PRNGKey(0), fed.input_shape)
-    state = with_own_buffers(init_state(algo, params, config), params)
-    hparams = traced_hparams(algo, 1)
+    algo, step, state, arrays, hparams = resnet20_round()
     if what == "round":
-        fn, args = make_round_step(algo, config, "vmap", donate_state=True), (state, arrays, jax.random.PRNGKey(0), hparams)
+        fn, args = step, (state, arrays, jax.random.PRNGKey(0), hparams)
     else:
         messages = jax.tree.map(lambda x: jnp.stack([x] * 10), state.server)
         fn = jax.jit(lambda server, messages, hparams: algo.aggregate(
