@@ -6,6 +6,7 @@ DP = ["dp-accounting>=0.4"]
 PLOTS = ["matplotlib>=3.7"]
 FETS = ["nibabel>=5"]  # reads the FeTS NIfTI volumes (bfedjax.data.load_fets)
 TFDS = ["tensorflow-datasets>=4.9.6", "array_record>=0.5"]
+COMPILE_CACHE = ["filelock>=3.12"]  # bounds the size of JAX's compilation cache (bfedjax.core.compile_cache)
 LOGGING = ["tensorboardX>=2.6", "tqdm>=4.66"]  # --tensorboard event files; progress bar with an ETA on a terminal
 FLOWER = ["flwr>=1.42"]  # bfedjax.flower: any algorithm as a Flower strategy + ClientApp
 NOTEBOOKS = ["nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29"]  # tests/test_colab.py executes colab/*.ipynb
@@ -42,9 +43,9 @@ setup(
         "logging": LOGGING,
         "flower": FLOWER,
         "docs": DOCS,
-        "experiments": CHECKPOINT + DP + PLOTS + LOGGING,  # what the binaries in experiments/ use
+        "experiments": CHECKPOINT + DP + PLOTS + LOGGING + COMPILE_CACHE,  # what the binaries in experiments/ use
         "bench": BENCH,
-        "dev": CHECKPOINT + DP + PLOTS + LOGGING + TFDS + FETS + FLOWER + NOTEBOOKS + DOCS + BENCH + ["pytest>=7", "pytest-xdist>=3", "mlxtend>=0.23", "hypothesis>=6.100",
+        "dev": CHECKPOINT + DP + PLOTS + LOGGING + COMPILE_CACHE + TFDS + FETS + FLOWER + NOTEBOOKS + DOCS + BENCH + ["pytest>=7", "pytest-xdist>=3", "mlxtend>=0.23", "hypothesis>=6.100",
                 "pillow>=10"],  # pillow: the oracle of tests/test_autoaugment.py (bfedjax.data.pil_ops)
     },
 )

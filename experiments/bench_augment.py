@@ -26,6 +26,7 @@ SAMPLES_PER_CLIENT = 96  # 3 local steps of 32
 
 def main(argv):
     del argv
+    bench.time_compilations_afresh()
     import bfedjax as bf
     import jax
     for name in FLAGS.augmentations:

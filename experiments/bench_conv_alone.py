@@ -39,6 +39,7 @@ CIFAR_SHAPED = ("fola_cnn", "mcmahan_cnn", "resnet20")
 
 def main(argv):
     del argv
+    bench.time_compilations_afresh()
     import bfedjax as bf
     devices = bf.core.layout.use_cpu_cores()  # before JAX's first computation
     import jax

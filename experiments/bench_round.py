@@ -44,6 +44,8 @@ def time_round(k: int, fixed: bool, name: str, model_name: str, matmul_conv_mib:
 
 
 def main(args: list[str]) -> None:
+    from experiments.bench import time_compilations_afresh
+    time_compilations_afresh()
     rounds = [a.split("=", 1)[1] for a in args if a.startswith("--rounds=")]
     specs = [a for a in args if not a.startswith("--rounds=")]
     if rounds and not (rounds[-1].isdigit() and int(rounds[-1]) >= 1):

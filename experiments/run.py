@@ -124,6 +124,10 @@ flags.DEFINE_string("clients_per_chunk", "auto", "Train the cohort in chunks of 
 flags.DEFINE_string("cpu_devices", "auto", "On a CPU, split it into this many JAX devices before anything runs and "
                     "train the cohort's chunks on all of them at once (bfedjax.core.layout.use_cpu_cores; "
                     "simulate's client_devices); 'auto': one per usable core; 1: one device.")
+flags.DEFINE_string("compilation_cache_dir", "auto", "JAX's persistent compilation cache "
+                    "(bfedjax.core.compile_cache): a rerun, another seed or a resumed run loads the compiled round "
+                    "from here instead of compiling it again. 'auto': $XDG_CACHE_HOME/bfedjax/jax (~/.cache/...), "
+                    "off with a note if it cannot be written; 'none': off. JAX_COMPILATION_CACHE_DIR, where set, wins.")
 flags.DEFINE_enum("backend", "vmap", list(bf.core.BACKENDS), "Round engine backend (debug: jit off, errors name "
                   "the client and the stage).")
 flags.DEFINE_enum("augment", "none", list(bf.data.AUGMENTATIONS), "Augment every local mini-batch inside the "
@@ -596,6 +600,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint step at INFO
     import jax
     use_cpu_cores()
+    use_compilation_cache()
 
     run = setup(argv)
     dataset, fed, algorithm = run.dataset, run.fed, run.algorithm
@@ -651,6 +656,22 @@ def use_cpu_cores() -> int:
         return bf.core.layout.use_cpu_cores(int(FLAGS.cpu_devices))
     except RuntimeError as e:
         raise app.UsageError(f"--cpu_devices={FLAGS.cpu_devices}: {e}") from None
+
+
+def use_compilation_cache() -> str | None:
+    """``--compilation_cache_dir`` applied before JAX's first compilation (``core.compile_cache``); returns the
+    directory JAX caches in, or None. The default directory falls back to no cache with a note line; a named one
+    that cannot be used stops the run with one line."""
+    if FLAGS.compilation_cache_dir == "none":
+        return None
+    auto = FLAGS.compilation_cache_dir == "auto"
+    try:
+        return bf.core.compile_cache.use_compilation_cache(None if auto else FLAGS.compilation_cache_dir)
+    except (ValueError, ImportError) as err:
+        if not auto:
+            raise app.UsageError(f"--compilation_cache_dir: {err}") from None
+        print(f"note: no compilation cache: {err}", flush=True)
+        return None
 
 
 def clients_per_chunk() -> int | str | None:

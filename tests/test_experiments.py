@@ -1,5 +1,6 @@
 """The experiment binary: flags, validators, outputs, resume, and the flagfiles."""
 import json
+import os
 import pathlib
 import re
 import subprocess
@@ -18,10 +19,11 @@ def _run(*flags, check=True):
                           text=True, check=check, timeout=600)
 
 
-def _script(module, *flags):
-    """Runs ``python -m module flags`` from the repository root and checks it exits cleanly."""
+def _script(module, *flags, env=None):
+    """Runs ``python -m module flags`` from the repository root (``env``: variables added to this process's)
+    and checks it exits cleanly."""
     out = subprocess.run([sys.executable, "-m", module, *flags], cwd=ROOT, capture_output=True, text=True,
-                         timeout=600)
+                         timeout=600, env={**os.environ, **(env or {})})
     assert out.returncode == 0, out.stderr[-2000:]
     return out
 
@@ -195,7 +197,11 @@ def test_bench_quick_smoke_and_resume(tmp_path):
     # 10 samples a client (one local step): the rounds timed in turn (10 + 1 of each layout, twice) run a tenth as long
     flags = ["--only=mlp K=10 B=10", "--rounds=1", "--algorithms=fedavg", "--cpu_chunks=", "--samples_per_client=10",
              f"--output_dir={tmp_path}"]
-    _script("experiments.bench", "--backends=vmap", *flags)
+    # the compile columns time XLA: a persistent compilation cache the environment names is not used
+    cache = tmp_path / "jax_cache"
+    _script("experiments.bench", "--backends=vmap", *flags,
+            env={"JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"})
+    assert not list(cache.glob("*-cache"))
     first = json.loads((tmp_path / "bench.json").read_text())
     # The one-vmap row, and the default layout's row (the layout simulate picks; one vmap where the cohort fits).
     library = [r["backend"] for r in first["rows"]]

@@ -1,5 +1,5 @@
 """Core: the algorithm contract, batching, the round engine and the simulation loop (jax only)."""
-from bfedjax.core import attacks, layout, sharding
+from bfedjax.core import attacks, compile_cache, layout, sharding
 from bfedjax.core.attacks import ATTACKS, Attack
 from bfedjax.core.engine import (BACKENDS, Cohort, EngineState, RoundArrays, RoundConfig, StageError, init_state,
                                  local_training, make_round_step, replicated_on, sample_cohort, with_fixed_local_steps,
@@ -10,7 +10,7 @@ from bfedjax.core.simulate import (CLIENT_WEIGHTINGS, NonFiniteClientError, Simu
                                    with_client_devices)
 from bfedjax.core.types import Algorithm, Batch, ClientContext, ClientData
 
-__all__ = ["attacks", "layout", "sharding", "ATTACKS", "BACKENDS", "CLIENT_WEIGHTINGS", "Algorithm", "Attack", "Batch",
+__all__ = ["attacks", "compile_cache", "layout", "sharding", "ATTACKS", "BACKENDS", "CLIENT_WEIGHTINGS", "Algorithm", "Attack", "Batch",
            "ClientContext", "ClientData", "Cohort", "EngineState", "NonFiniteClientError", "RoundArrays", "RoundConfig",
            "SCHEDULES", "SimulationResult", "StageError", "cohort_size",
            "init_state", "local_training", "lr_schedule", "make_round_step", "patience_reached", "pretrain",
