@@ -9,7 +9,7 @@ EXTRAS = {
     "matplotlib": ("plots", "figures"),
     "tensorflow_datasets": ("tfds", "TFDS data sets"),
     "flwr": ("flower", "Flower deployment (bfedjax.flower)"),
-    "filelock": ("experiments", "the compilation cache's size bound (bfedjax.core.compile_cache)"),
+    "filelock": ("experiments", "the size bound of bfedjax.core.compile_cache"),
 }
 
 

@@ -195,8 +195,8 @@ def save(fig, path: str, dpi: int = 120) -> str:
     return path
 
 
-def _columns(records: Sequence[Mapping[str, Any]]) -> dict[str, list]:
-    """Per-round records -> columns (a key a record lacks: NaN there)."""
+def columns(records: Sequence[Mapping[str, Any]]) -> dict[str, list]:
+    """Per-round records (``metrics.jsonl``'s lines) -> columns ``{key: [R]}`` (a key a record lacks: NaN there)."""
     keys = list(dict.fromkeys(k for record in records for k in record))
     return {k: [record.get(k, math.nan) for record in records] for k in keys}
 
@@ -218,7 +218,7 @@ def read_run(run_dir: str) -> dict:
         records = [json.loads(line) for line in f if line.strip()]
     if not records:
         raise ValueError(f"{metrics_path} holds no rounds; fix: let the run finish a round, or pass another folder")
-    out = {"name": os.path.basename(os.path.normpath(run_dir)), "metrics": _columns(records), "summary": {},
+    out = {"name": os.path.basename(os.path.normpath(run_dir)), "metrics": columns(records), "summary": {},
            "evaluation": None}
     for key, name in (("summary", SUMMARY_FILE), ("evaluation", EVALUATION_FILE)):
         path = os.path.join(run_dir, name)
@@ -228,5 +228,5 @@ def read_run(run_dir: str) -> dict:
     return out
 
 
-__all__ = ["accuracy_vs_retained", "learning_curves", "per_client_accuracy", "posterior_scale", "read_run",
+__all__ = ["accuracy_vs_retained", "columns", "learning_curves", "per_client_accuracy", "posterior_scale", "read_run",
            "reliability_diagram", "reliability_diagram_from_bins", "save"]

@@ -12,6 +12,14 @@ from bfedjax.core import compile_cache
 mode = sys.argv[1]
 if mode == "started":
     jnp.ones(1).block_until_ready()
+if mode == "no_filelock":
+    sys.modules["filelock"] = None  # as if not installed
+    try:
+        compile_cache.use_compilation_cache()
+    except ImportError as err:
+        print("ImportError:", err)
+    print("jax:", jax.config.jax_compilation_cache_dir)
+    sys.exit()
 if mode == "unwritable":
     try:
         compile_cache.use_compilation_cache(sys.argv[2])
@@ -97,3 +105,9 @@ def test_the_binary_compiles_a_round_once_for_the_next_run(tmp_path):
     assert bad.stderr.strip().splitlines() == [
         f"error: --compilation_cache_dir: compilation cache directory {tmp_path / 'file' / 'cache'} cannot be "
         "created (Not a directory); fix: name a writable directory"]
+
+
+def test_without_filelock_the_error_names_the_extra_and_nothing_is_cached(tmp_path):
+    out = _python(tmp_path, "no_filelock")
+    assert "ImportError: filelock is not installed" in out and "pip install 'bfedjax[experiments]'" in out
+    assert out.endswith("jax: None\n") and not (tmp_path / "xdg").exists()

@@ -71,10 +71,11 @@ def test_every_flag_the_docs_name_exists():
     algorithm_flags.define(flag_values)
     defined = set(flag_values) | {"flagfile", "helpshort"}
     defined |= set(re.findall(r'flags\.DEFINE_\w+\(\s*"(\w+)"', (EXPERIMENTS / "run.py").read_text()))
+    defined |= set(re.findall(r'add_argument\(\s*"--(\w+)"', (EXPERIMENTS / "compare.py").read_text()))
     booleans = {name for name in flag_values if isinstance(flag_values[name], flags.BooleanFlag)}
     booleans |= set(re.findall(r'flags\.DEFINE_bool(?:ean)?\(\s*"(\w+)"', (EXPERIMENTS / "run.py").read_text()))
     named = {(page.name, flag) for page in PAGES for flag in re.findall(r"--([a-z][a-z0-9_]*)", page.read_text())}
     unknown = sorted((page, flag) for page, flag in named
                      if flag not in defined and not (flag.startswith("no") and flag[2:] in booleans))
-    assert not unknown, f"docs name flags that experiments.run does not define: {unknown}"
+    assert not unknown, f"docs name flags that neither experiments.run nor experiments.compare defines: {unknown}"
     assert len(named) > 50  # the method pages list the flags

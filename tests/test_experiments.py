@@ -510,12 +510,12 @@ def test_compare_table_marks_a_round_one_that_was_not_evaluated():
     from experiments import compare
     summary = {"round1_global_accuracy": None, "best_global_accuracy": 0.9, "final_global_accuracy": 0.85,
                "best_local_accuracy": 0.8, "rounds_to_target": {"0.5": 2}}
-    assert "| fola | - | 0.9000 | 0.8500 | 0.8000 | 2 |" in compare.table({"fola": {"summary": summary}})
+    assert "| fola | - | 0.9000 | 0.8500 | 0.8000 | 2 |" in compare.table({"fola": [{"summary": summary}]})
 
 
 def test_compare_tables_local_accuracy_per_round():
     from experiments import compare
-    results = {label: {"rounds": [{"global_accuracy": 0.1 * r, "local_accuracy": la * r} for r in (1, 2)]}
+    results = {label: [{"rounds": [{"global_accuracy": 0.1 * r, "local_accuracy": la * r} for r in (1, 2)]}]
                for label, la in (("a", 0.25), ("b", 0.5))}
     table = compare.per_round_table(results, "local_accuracy", "LA").splitlines()
     assert table[0] == "| round | a LA | b LA |" and table[3] == "| 2 | 0.5000 | 1.0000 |"
@@ -524,7 +524,44 @@ def test_compare_tables_local_accuracy_per_round():
 
 def test_compare_tables_a_metric_only_for_the_runs_that_report_it():
     from experiments import compare
-    results = {"fedavg": {"rounds": [{"global_accuracy": 0.5}]},
-               "fola": {"rounds": [{"global_accuracy": 0.6, "precision_cosine": 0.25}]}}
+    results = {"fedavg": [{"rounds": [{"global_accuracy": 0.5}]}],
+               "fola": [{"rounds": [{"global_accuracy": 0.6, "precision_cosine": 0.25}]}]}
     assert compare.per_round_table(results, "precision_cosine", "cos").splitlines() == [
         "| round | fola cos |", "|---|---|", "| 1 | 0.2500 |"]
+
+
+def test_compare_over_seeds_tabulates_mean_spread_and_the_median_rounds_to_target():
+    from experiments import compare
+    def run(best, final, reach, round1=0.1):
+        return {"summary": {"round1_global_accuracy": round1, "best_global_accuracy": best,
+                            "final_global_accuracy": final, "best_local_accuracy": best - 0.1,
+                            "rounds_to_target": {"0.5": reach, "0.9": None}},
+                "rounds": [{"round": 1, "global_accuracy": best - 0.2}, {"round": 2, "global_accuracy": best}]}
+    results = {"fola": [run(0.6, 0.5, 3), run(0.8, 0.7, 6), run(0.7, 0.6, None)]}
+    assert compare.table(results).splitlines()[2] == (
+        "| fola | 0.1000 ± 0.0000 | 0.7000 ± 0.1000 | 0.6000 ± 0.1000 | 0.6000 ± 0.1000 | 4.5 (2/3) | - |")
+    ci = compare.table(results, "ci95").splitlines()[2]
+    assert "0.7000 ± 0.2484" in ci  # t_{0.975, 2} * 0.1 / sqrt(3)
+    assert compare.per_round_table(results).splitlines()[2:] == ["| 1 | 0.5000 |", "| 2 | 0.7000 |"]
+    results["fola"][1]["summary"]["round1_global_accuracy"] = None  # --evaluate_every skipped round 1
+    assert compare.table(results).splitlines()[2].startswith("| fola | - | 0.7000 ± 0.1000 |")
+    assert compare.seed_list("0, 1,2") == [0, 1, 2] and compare.seed_list("") is None
+    from absl import app
+    for bad, message in (("0,x", "comma-separated whole numbers"), ("1,1", "repeats a seed")):
+        with pytest.raises(app.UsageError, match=message):
+            compare.seed_list(bad)
+
+
+def test_compare_runs_every_label_once_per_seed(tmp_path):
+    flagfile = tmp_path / "small.flags"
+    flagfile.write_text("\n".join(SMALL + ["--rounds=2"]) + "\n")
+    out = _script("experiments.compare", f"--flagfile={flagfile}", "--runs", "fedavg:--algorithm=fedavg",
+                  "--seeds=3,4", f"--output_dir={tmp_path / 'out'}", f"--results_file={tmp_path / 'cmp.md'}")
+    summaries = [json.loads((tmp_path / "out" / "fedavg" / f"seed{s}" / "summary.json").read_text()) for s in (3, 4)]
+    assert [s["flags"]["seed"] for s in summaries] == [3, 4]  # one run per seed
+    from experiments import spread
+    best = spread.mean_pm([s["best_global_accuracy"] for s in summaries])
+    text = (tmp_path / "cmp.md").read_text()
+    assert "Seeds 3, 4: each cell is the mean ± the sample std" in text and f"| {best} |" in text
+    assert "GA per round (mean over the seeds):" in text
+    assert f"{tmp_path / 'out' / 'fedavg' / 'seed3'} {tmp_path / 'out' / 'fedavg' / 'seed4'}" in out.stdout
