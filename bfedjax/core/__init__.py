@@ -10,8 +10,8 @@ from bfedjax.core.simulate import (CLIENT_WEIGHTINGS, NonFiniteClientError, Simu
                                    with_client_devices)
 from bfedjax.core.types import Algorithm, Batch, ClientContext, ClientData
 
-__all__ = ["attacks", "compile_cache", "layout", "sharding", "ATTACKS", "BACKENDS", "CLIENT_WEIGHTINGS", "Algorithm", "Attack", "Batch",
-           "ClientContext", "ClientData", "Cohort", "EngineState", "NonFiniteClientError", "RoundArrays", "RoundConfig",
+__all__ = ["attacks", "compile_cache", "layout", "sharding", "ATTACKS", "BACKENDS", "CLIENT_WEIGHTINGS", "Algorithm",
+           "Attack", "Batch", "ClientContext", "ClientData", "Cohort", "EngineState", "NonFiniteClientError", "RoundArrays", "RoundConfig",
            "SCHEDULES", "SimulationResult", "StageError", "cohort_size",
            "init_state", "local_training", "lr_schedule", "make_round_step", "patience_reached", "pretrain",
            "replicated_on", "round_arrays", "sample_cohort", "simulate", "traced_hparams", "with_client_devices",
