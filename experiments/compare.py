@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import os
 import subprocess
@@ -86,12 +87,17 @@ def table(results: dict, spread_kind: str = "std") -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, runs in results.items():
         summaries = [run["summary"] for run in runs]
-        round1 = [s["round1_global_accuracy"] for s in summaries]  # None: --evaluate_every skipped round 1
-        cells = ["-" if None in round1 else spread.mean_pm(round1, spread=spread_kind)]
-        cells += [spread.mean_pm([s.get(key, float("nan")) for s in summaries], spread=spread_kind)
-                  for key in ("best_global_accuracy", "final_global_accuracy", "best_local_accuracy")]
+        cells = [_cell([s.get(key) for s in summaries], spread_kind) for key in
+                 ("round1_global_accuracy", "best_global_accuracy", "final_global_accuracy", "best_local_accuracy")]
         lines.append("| " + " | ".join([label, *cells, *(_rounds_to(summaries, t) for t in targets)]) + " |")
     return "\n".join(lines)
+
+
+def _cell(values: list, spread_kind: str) -> str:
+    """``spread.mean_pm`` of the runs' values that exist; ``-`` where none does (``None`` or NaN: round 1 skipped
+    by ``--evaluate_every``, or no local accuracy)."""
+    present = [v for v in values if v is not None and not math.isnan(v)]
+    return spread.mean_pm(present, spread=spread_kind) if present else "-"
 
 
 def _rounds_to(summaries: list[dict], target: str) -> str:
@@ -124,6 +130,8 @@ def per_round_table(results: dict, metric: str = "global_accuracy", short: str =
     (the mean over its runs)."""
     means = {label: mean_columns(runs) for label, runs in results.items()}
     labels = [label for label, columns in means.items() if metric in columns]
+    if not labels:
+        raise ValueError(f"no run reports {metric!r} in every round it has")
     n = max(len(means[l][metric]) for l in labels)
     lines = ["| round | " + " | ".join(f"{l} {short}" for l in labels) + " |", "|" + "---|" * (len(labels) + 1)]
     for i in range(n):
@@ -141,26 +149,42 @@ def learning_curves_png(results: dict, path: str, title: str | None = None) -> s
     return plots.save(plots.learning_curves(curves, title=title), path)
 
 
-def main(argv=None):
+def argument_parser() -> errors.ArgumentParser:
+    """The command line of ``main``; flags it does not know go to every run."""
     parser = errors.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--flagfile", required=True)
     parser.add_argument("--runs", nargs="+", required=True, help="label:flags (flags space-separated, quoted)")
     parser.add_argument("--output_dir", default="out/compare")
     parser.add_argument("--results_file", default=None, help="Also write the tables as markdown here.")
     parser.add_argument("--title", default="Comparison")
-    parser.add_argument("--seeds", default="", help="Comma-separated seeds (e.g. 0,1,2): every run once per seed, "
-                        "into OUT/<label>/seed<S>; the tables show the mean over the seeds.")
+    parser.add_argument("--seeds", default="", help="Comma-separated seeds (e.g. 0,1,2): every run once per seed "
+                        "(its --seed), into OUT/<label>/seed<S>; the tables show the mean over the seeds (final GA: "
+                        "each seed's last round), the per-round tables and curves the mean over the rounds all of a "
+                        "label's seeds ran (--patience can stop seeds at different rounds).")
     parser.add_argument("--spread", default="std", choices=spread.SPREADS, help="With --seeds, what the tables' ± "
                         "is: " + "; ".join(f"{k}: the {v}" for k, v in spread.LABELS.items()) + ".")
     parser.add_argument("--per_round_metrics", default="", help="Comma-separated metrics of metrics.jsonl (e.g. "
                         "precision_cosine) to tabulate per round too, for the runs that report them.")
-    args, extra = parser.parse_known_args(argv)
+    return parser
+
+
+def _reported(results: dict, metric: str) -> bool:
+    """Whether any round of any run of ``results`` reports ``metric``."""
+    return any(metric in r for runs in results.values() for run in runs for r in run["rounds"])
+
+
+def main(argv=None):
+    args, extra = argument_parser().parse_known_args(argv)
     if not os.path.exists(args.flagfile):
         raise app.UsageError(f"--flagfile {args.flagfile} does not exist; fix: pass one of experiments/configs/*.flags")
     seeds = seed_list(args.seeds)
+    run_flags = extra + [flag for spec in args.runs for flag in spec.partition(":")[2].split()]
+    if seeds and any(flag == "--seed" or flag.startswith("--seed=") for flag in run_flags):
+        print("note: --seeds gives every run its --seed; the --seed among the run flags is overridden", flush=True)
     results = run_all(args.flagfile, args.runs, args.output_dir, extra, seeds)
     source = next(iter(results.values()))[0]["summary"]["source"]
-    over = (f"Seeds {', '.join(map(str, seeds))}: each cell is the mean ± the {spread.LABELS[args.spread]} over them, "
+    seed_names = ", ".join(map(str, seeds or []))
+    over = (f"Seeds {seed_names}: each cell is the mean ± the {spread.LABELS[args.spread]} over them, "
             "the rounds to a target the median over the seeds that reached it (reached / seeds), the per-round "
             "tables and the curves the mean.\n\n" if seeds else "")
     per_round = " (mean over the seeds)" if seeds else ""
@@ -171,7 +195,7 @@ def main(argv=None):
         text += f"\nLA per round (the local models before aggregation){per_round}:\n\n" + per_round_table(
             results, "local_accuracy", "LA") + "\n"
     for metric in filter(None, args.per_round_metrics.split(",")):
-        if not any(metric in r for runs in results.values() for run in runs for r in run["rounds"]):
+        if not _reported(results, metric):
             raise app.UsageError(f"no run reports {metric!r}; fix: name a key of the runs' metrics.jsonl in "
                                  "--per_round_metrics, or add the flag that reports it (e.g. --precision_cosine)")
         text += f"\n{metric} per round{per_round}:\n\n" + per_round_table(results, metric, metric) + "\n"
@@ -187,8 +211,7 @@ def main(argv=None):
             f.write(text)
     with open(os.path.join(args.output_dir, "comparison.json"), "w") as f:
         json.dump(results, f)
-    learning_curves_png(results, png, f"Mean over seeds {', '.join(map(str, seeds))} (GA solid, LA dashed)"
-                        if seeds else None)
+    learning_curves_png(results, png, f"Mean over seeds {seed_names} (GA solid, LA dashed)" if seeds else None)
     run_dirs = " ".join(shlex.quote(run["dir"]) for runs in results.values() for run in runs)
     print(f"more figures: python -m experiments.plot {run_dirs}")
     print(f"learning curves (GA solid, LA dashed): {png}", flush=True)

@@ -120,7 +120,11 @@ def check_list(name: str, item_ok, what: str, example: str, flag_values: flags.F
 
 class ArgumentParser(argparse.ArgumentParser):
     """``argparse`` whose errors raise ``app.UsageError`` (one line under :func:`guard`) instead of
-    printing the usage text and exiting."""
+    printing the usage text and exiting, and which takes no abbreviated option (as absl): an unknown flag
+    such as ``--seed`` stays among the flags passed on instead of being read as ``--seeds``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str):
         raise app.UsageError(f"{message}; fix: see --help")

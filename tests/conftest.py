@@ -1,5 +1,7 @@
 """Shared small fixtures: digits, a 5-client skewed split, a tiny MLP; fast XLA compiles for the suite."""
 import os
+import shutil
+import tempfile
 
 # XLA:CPU compile time dominates this suite (small data, many distinct round programs): LLVM at -O0 without its
 # expensive passes compiles 2-3x faster (CPU time of tests/test_hbfl.py 3m40s -> 1m47s, of the Flipout tests +
@@ -12,6 +14,13 @@ import os
 FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
                       "--xla_cpu_use_fusion_emitters=false")
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()
+
+# The binaries the tests run keep their compiled programs in JAX's persistent cache (experiments.run's
+# --compilation_cache_dir, by default under ~/.cache): a plain `pytest` gets a cache of its own, removed at the end,
+# as `make test` (which names one in JAX_COMPILATION_CACHE_DIR, then inherited here) does.
+OWN_COMPILATION_CACHE = None if os.environ.get("JAX_COMPILATION_CACHE_DIR") else tempfile.mkdtemp(prefix="bfedjax-jax-")
+if OWN_COMPILATION_CACHE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = OWN_COMPILATION_CACHE
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -41,3 +50,10 @@ def tiny_model():
 @pytest.fixture(scope="session")
 def tiny_params(tiny_model):
     return tiny_model.init(jax.random.PRNGKey(1), np.zeros((1, 8, 8, 1), np.float32))["params"]
+
+
+def pytest_unconfigure(config):
+    """Removes the compilation cache this process made (under pytest-xdist the controller's, which the workers
+    inherited with the environment)."""
+    if OWN_COMPILATION_CACHE:
+        shutil.rmtree(OWN_COMPILATION_CACHE, ignore_errors=True)

@@ -63,14 +63,19 @@ def test_the_next_process_loads_the_program_from_the_default_directory(tmp_path)
     assert any(second[k] != first[k] for k in first)  # and the program was read back
 
 
-def test_a_cache_the_user_set_or_a_started_jax_is_left_alone(tmp_path):
+def test_a_cache_the_user_set_or_switched_off_is_left_alone(tmp_path):
     own = tmp_path / "own"
     out = _python(tmp_path, "fresh", JAX_COMPILATION_CACHE_DIR=str(own))
     assert f"dir: {own}\njax: {own}\n" in out
-    assert not (tmp_path / "xdg").exists()
-    out = _python(tmp_path, "started")  # JAX read its setting at its first computation
-    assert "dir: None\njax: None\n" in out
-    assert not (tmp_path / "xdg").exists()
+    assert list(own.glob("*-cache")) and not (tmp_path / "xdg").exists()  # JAX's own setting: no size bound
+    out = _python(tmp_path, "fresh", JAX_ENABLE_COMPILATION_CACHE="false")
+    assert "dir: None\njax: None\n" in out and not (tmp_path / "xdg").exists()
+
+
+def test_a_process_that_already_computed_caches_what_it_compiles_next(tmp_path):
+    directory = tmp_path / "xdg" / "bfedjax" / "jax"
+    assert f"dir: {directory}\n" in _python(tmp_path, "started")  # a notebook that ran cells before the call
+    assert _entries(directory)
 
 
 def test_a_directory_that_cannot_be_made_is_a_one_line_error(tmp_path):

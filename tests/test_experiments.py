@@ -543,9 +543,19 @@ def test_compare_over_seeds_tabulates_mean_spread_and_the_median_rounds_to_targe
     ci = compare.table(results, "ci95").splitlines()[2]
     assert "0.7000 ± 0.2484" in ci  # t_{0.975, 2} * 0.1 / sqrt(3)
     assert compare.per_round_table(results).splitlines()[2:] == ["| 1 | 0.5000 |", "| 2 | 0.7000 |"]
-    results["fola"][1]["summary"]["round1_global_accuracy"] = None  # --evaluate_every skipped round 1
+    for run in results["fola"]:
+        run["summary"]["round1_global_accuracy"] = None  # --evaluate_every skipped round 1
     assert compare.table(results).splitlines()[2].startswith("| fola | - | 0.7000 ± 0.1000 |")
+    del results["fola"][0]["summary"]["best_local_accuracy"]  # a label whose runs report no local accuracy
+    for run in results["fola"][1:]:
+        run["summary"]["best_local_accuracy"] = float("nan")
+    assert compare.table(results).splitlines()[2].split(" | ")[4] == "-"
+    with pytest.raises(ValueError, match="no run reports 'local_accuracy'"):
+        compare.per_round_table(results, "local_accuracy", "LA")
     assert compare.seed_list("0, 1,2") == [0, 1, 2] and compare.seed_list("") is None
+    # no abbreviations: --seed goes on to the runs rather than being read as --seeds
+    args, extra = compare.argument_parser().parse_known_args(["--flagfile=f", "--runs", "a:", "--seed=5"])
+    assert args.seeds == "" and extra == ["--seed=5"]
     from absl import app
     for bad, message in (("0,x", "comma-separated whole numbers"), ("1,1", "repeats a seed")):
         with pytest.raises(app.UsageError, match=message):

@@ -3,7 +3,7 @@ an earlier process compiled (a rerun, another seed, a resumed run) loads XLA's e
 instead of compiling it again.
 
 JAX keeps the cache itself (``jax_compilation_cache_dir``); ``use_compilation_cache`` only picks a
-directory and bounds its size. JAX reads the setting at its first compilation, so call it right after
+directory and bounds its size. Programs compiled before the call are not cached, so call it right after
 the imports, as ``experiments.run`` does (``--compilation_cache_dir``). It caches programs whose
 compilation took at least ``jax_persistent_cache_min_compile_time_secs`` (JAX's default, 1 s: the round
 steps, not every small helper), and caches only XLA's work: tracing and lowering run every time.
@@ -14,7 +14,6 @@ import os
 
 import jax
 
-from bfedjax.core import layout
 from bfedjax.optional import require
 
 # Least recently used entries are removed beyond this size (``jax_compilation_cache_max_size``).
@@ -32,17 +31,18 @@ def use_compilation_cache(directory: str | None = None, max_bytes: int = DEFAULT
     at most ``max_bytes`` on disk. Returns the directory JAX caches in, or ``None`` if it caches nothing.
 
     A cache the user already set (``JAX_COMPILATION_CACHE_DIR``, or ``jax.config``) is left as it is and
-    returned. After JAX's first computation (a notebook that already ran something, a test calling a
-    binary's ``main``) nothing changes: JAX has read its setting by then.
+    returned; a cache the user switched off (``JAX_ENABLE_COMPILATION_CACHE=false``) stays off (``None``).
+    Programs already compiled in this process are not written to the cache; the ones compiled after the
+    call are.
 
     Raises ``ValueError`` if ``directory`` cannot be created or written, ``ImportError`` (naming the
     extra) without ``filelock``, which JAX needs to bound the size.
     """
+    if not jax.config.jax_enable_compilation_cache:
+        return None
     current = jax.config.jax_compilation_cache_dir
     if current:
         return current
-    if layout.jax_started():
-        return None
     if max_bytes < 1:
         raise ValueError(f"max_bytes={max_bytes}; fix: a size in bytes >= 1, e.g. {DEFAULT_MAX_BYTES}")
     require("filelock")  # JAX's size bound locks the directory with it
