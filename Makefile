@@ -23,14 +23,9 @@ demo: install data
 	  --runs fedavg:--algorithm=fedavg fola:--algorithm=fola --output_dir=$(OUT)/demo \
 	  --results_file=$(OUT)/demo/comparison.md --title="FOLA vs FedAvg, Dirichlet alpha=0.01, 20 clients"
 
-# A fresh JAX compilation cache per run, removed after it: the tests (and the binaries they start) compile
-# many identical programs, which then compile once (13% less wall time on test_engine + test_algorithms).
-# Every program is cached, however short its compile (session 28: 0.91x the wall time of caching those of
-# 0.3 s and over on the same two files, 3 pairs; the whole suite 775 against 829 s; about 100 MB of cache;
-# results/suite_compile_cache.md).
+# tests/conftest.py gives the run a fresh JAX compilation cache, shared by its workers and removed at the end.
 test: install-dev data
-	cache=$$(mktemp -d); JAX_COMPILATION_CACHE_DIR=$$cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
-	  $(PYTHON) -m pytest -q -n 2 --durations=30 tests; status=$$?; rm -rf $$cache; exit $$status
+	$(PYTHON) -m pytest -q -n 2 --durations=30 tests
 
 # The documentation site (docs/: method pages and the API from the docstrings) -> $(OUT)/docs/index.html;
 # Sphinx warnings are errors.
