@@ -17,7 +17,7 @@ sum in the library's form and in the plain ``jnp.sum`` form:
   * DP-SGD step: ``privacy.dp.private_gradient`` against the same maths with ``jnp.sum`` for the
     per-example norms and the clipped sum;
   * finite check: a FOLA round (100 clients in turn, B = 50), each client's message checked by
-    ``core.engine.finite_rows`` or with ``jnp.all(jnp.isfinite(...))`` per leaf, the two rounds taken in turn;
+    ``core.server_half.finite_rows`` or with ``jnp.all(jnp.isfinite(...))`` per leaf, the two rounds taken in turn;
   * median: of the MLP's 199,210 precisions (FOLA's ``precision_median`` diagnostic, on by default), by
     ``order_statistics.median`` (no sort) or ``jnp.median`` (XLA's sort), alone and in FOLA's round as
     above with its diagnostics on;
@@ -74,7 +74,7 @@ def plain_private_gradient(apply_fn, params, batch, key, clip_norm: float, noise
 
 
 def plain_finite_rows(tree, slots: int):
-    """``core.engine.finite_rows`` with ``jnp.all(jnp.isfinite(...))`` per leaf."""
+    """``core.server_half.finite_rows`` with ``jnp.all(jnp.isfinite(...))`` per leaf."""
     import jax
     import jax.numpy as jnp
     rows = [jnp.all(jnp.isfinite(jnp.reshape(x, (slots, -1))), axis=1) for x in jax.tree.leaves(tree)]
@@ -204,6 +204,7 @@ def main(argv):
     images, fola_module = bench.load_images(), sys.modules["bfedjax.algorithms.fola"]
     round_name = (f"FOLA round, {FLAGS.fola_clients} clients x 100 images, B = 50, in turn on {devices} devices "
                   "(rounds alternated)")
+    # the streamed round calls finite_rows under the name core.engine imported
     fast, slow = fola_round_ms(images, mock.patch.object(bf.core.engine, "finite_rows", plain_finite_rows))
     lines.append(f"| finite check: {round_name} | {fast:.1f} | {slow:.1f} | {slow / fast:.2f}x |")
     print(lines[-1], flush=True)

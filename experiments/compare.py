@@ -168,9 +168,10 @@ def argument_parser() -> errors.ArgumentParser:
     return parser
 
 
-def _reported(results: dict, metric: str) -> bool:
-    """Whether any round of any run of ``results`` reports ``metric``."""
-    return any(metric in r for runs in results.values() for run in runs for r in run["rounds"])
+def _reported(results: dict, metric: str, every: bool = False) -> bool:
+    """Whether any round of any run of ``results`` reports ``metric`` (``every``: every round of every run)."""
+    rounds = (metric in r for runs in results.values() for run in runs for r in run["rounds"])
+    return all(rounds) if every else any(rounds)
 
 
 def main(argv=None):
@@ -191,7 +192,7 @@ def main(argv=None):
     text = (f"## {args.title}\n\nData: {source}. Command:\n\n```\npython -m experiments.compare "
             + shlex.join(sys.argv[1:] if argv is None else argv) + f"\n```\n\n{over}{table(results, args.spread)}\n\n"
             f"GA per round{per_round}:\n\n" + per_round_table(results) + "\n")
-    if all("local_accuracy" in r for runs in results.values() for run in runs for r in run["rounds"]):
+    if _reported(results, "local_accuracy", every=True):
         text += f"\nLA per round (the local models before aggregation){per_round}:\n\n" + per_round_table(
             results, "local_accuracy", "LA") + "\n"
     for metric in filter(None, args.per_round_metrics.split(",")):

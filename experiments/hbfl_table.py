@@ -35,7 +35,6 @@ import os
 import sys
 import time
 
-import numpy as np
 from absl import app, flags, logging
 
 from experiments import errors, spread

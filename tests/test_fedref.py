@@ -8,7 +8,8 @@ import pytest
 
 import bfedjax as bf
 from bfedjax.algorithms.fedref import mean_batch_loss, ref_lambda_at
-from bfedjax.core.engine import RoundArrays, RoundConfig, with_round_subsets
+from bfedjax.core.cohort import with_round_subsets
+from bfedjax.core.round_config import RoundArrays, RoundConfig
 
 MODEL = bf.models.get_model("logistic", 3)
 SHAPE = (2, 2, 1)

@@ -9,7 +9,7 @@ import pytest
 
 import bfedjax as bf
 from bfedjax.core import layout
-from bfedjax.core.engine import RoundConfig, init_state
+from bfedjax.core.round_config import RoundConfig, init_state
 
 simulate_module = sys.modules["bfedjax.core.simulate"]
 

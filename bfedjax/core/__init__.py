@@ -1,9 +1,11 @@
 """Core: the algorithm contract, batching, the round engine and the simulation loop (jax only)."""
 from bfedjax.core import attacks, compile_cache, layout, sharding
 from bfedjax.core.attacks import ATTACKS, Attack
-from bfedjax.core.engine import (BACKENDS, Cohort, EngineState, RoundArrays, RoundConfig, StageError, init_state,
-                                 local_training, make_round_step, replicated_on, sample_cohort, with_fixed_local_steps,
-                                 with_own_buffers)
+from bfedjax.core.clients import local_training
+from bfedjax.core.cohort import Cohort, sample_cohort
+from bfedjax.core.engine import BACKENDS, make_round_step, replicated_on, with_own_buffers
+from bfedjax.core.reference_backends import StageError
+from bfedjax.core.round_config import EngineState, RoundArrays, RoundConfig, init_state, with_fixed_local_steps
 from bfedjax.core.schedules import SCHEDULES, lr_schedule
 from bfedjax.core.simulate import (CLIENT_WEIGHTINGS, NonFiniteClientError, SimulationResult, cohort_size,
                                    patience_reached, pretrain, round_arrays, simulate, traced_hparams,

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from bfedjax.core.engine import EngineState, RoundArrays
+from bfedjax.core.round_config import EngineState, RoundArrays
 
 AXIS = "clients"
 

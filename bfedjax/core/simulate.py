@@ -15,8 +15,9 @@ import numpy as np
 
 from bfedjax.core.attacks import Attack, flip_labels
 from bfedjax.core import layout
-from bfedjax.core.engine import (EngineState, RoundArrays, RoundConfig, client_inputs, client_test_data, init_state,
-                                 make_round_step, replicated_on, with_fixed_local_steps, with_own_buffers)
+from bfedjax.core.clients import client_inputs, client_test_data
+from bfedjax.core.engine import make_round_step, replicated_on, with_own_buffers
+from bfedjax.core.round_config import EngineState, RoundArrays, RoundConfig, init_state, with_fixed_local_steps
 from bfedjax.core.types import Algorithm, ClientContext
 
 

@@ -11,7 +11,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from bfedjax.core.engine import NO_BUDGET, local_training
+from bfedjax.core.clients import local_training
+from bfedjax.core.cohort import NO_BUDGET
 from bfedjax.core.simulate import traced_hparams
 from bfedjax.core.types import Algorithm, ClientContext, ClientData
 

@@ -32,7 +32,9 @@ from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
 from bfedjax.core import layout
-from bfedjax.core.engine import EngineState, RoundArrays, RoundConfig, finish_round, sample_cohort, server_key_of
+from bfedjax.core.cohort import sample_cohort, server_key_of
+from bfedjax.core.round_config import EngineState, RoundArrays, RoundConfig
+from bfedjax.core.server_half import finish_round
 from bfedjax.core.simulate import client_base_weights, cohort_size, round_key, traced_hparams
 from bfedjax.core.types import Algorithm
 from bfedjax.flower import protocol as P
