@@ -17,7 +17,7 @@ sum in the library's form and in the plain ``jnp.sum`` form:
   * DP-SGD step: ``privacy.dp.private_gradient`` against the same maths with ``jnp.sum`` for the
     per-example norms and the clipped sum;
   * finite check: a FOLA round (100 clients in turn, B = 50), each client's message checked by
-    ``core.server_half.finite_rows`` or with ``jnp.all(jnp.isfinite(...))`` per leaf, the two rounds taken in turn;
+    ``core.finite.finite_rows`` or with ``jnp.all(jnp.isfinite(...))`` per leaf, the two rounds taken in turn;
   * median: of the MLP's 199,210 precisions (FOLA's ``precision_median`` diagnostic, on by default), by
     ``order_statistics.median`` (no sort) or ``jnp.median`` (XLA's sort), alone and in FOLA's round as
     above with its diagnostics on;
@@ -74,7 +74,7 @@ def plain_private_gradient(apply_fn, params, batch, key, clip_norm: float, noise
 
 
 def plain_finite_rows(tree, slots: int):
-    """``core.server_half.finite_rows`` with ``jnp.all(jnp.isfinite(...))`` per leaf."""
+    """``core.finite.finite_rows`` with ``jnp.all(jnp.isfinite(...))`` per leaf."""
     import jax
     import jax.numpy as jnp
     rows = [jnp.all(jnp.isfinite(jnp.reshape(x, (slots, -1))), axis=1) for x in jax.tree.leaves(tree)]

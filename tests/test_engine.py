@@ -557,27 +557,27 @@ def test_with_own_buffers_copies_only_shared_and_repeated_buffers():
 
 
 def test_a_local_loop_starts_with_a_per_client_carry(small_fed, tiny_model, tiny_params, monkeypatch):
-    """``clients.per_client`` keeps every value and dtype and makes it per-client under the client vmap (a
+    """``client_half.per_client`` keeps every value and dtype and makes it per-client under the client vmap (a
     constant too), so a local loop's carry starts batched (JAX then batches the loop body once, not once per
     leaf that turns per-client): a vmap can no longer return it unmapped. ``local_training`` starts the step
     loop's carry and the epoch scan's so; the fixed-step scan (an accelerator's, or unrolled) keeps its own."""
-    from bfedjax.core import clients
+    from bfedjax.core import client_half
     tree = {"w": jnp.arange(3.0), "half": jnp.ones(2, jnp.bfloat16), "step": jnp.int32(0), "flag": jnp.bool_(False),
             "raw_key": jax.random.PRNGKey(1), "key_data": jax.random.key_data(jax.random.key(2))}
-    chex.assert_trees_all_equal(clients.per_client(tree, jnp.bool_(True)), tree, strict=True)
+    chex.assert_trees_all_equal(client_half.per_client(tree, jnp.bool_(True)), tree, strict=True)
     typed = jax.random.key(3)
-    assert jnp.array_equal(jax.random.key_data(clients.per_client(typed, jnp.bool_(True))), jax.random.key_data(typed))
+    assert jnp.array_equal(jax.random.key_data(client_half.per_client(typed, jnp.bool_(True))), jax.random.key_data(typed))
     counts = jnp.arange(4)
     chex.assert_trees_all_equal(jax.vmap(lambda c: tree, out_axes=None)(counts), tree)  # unmapped without it
     for leaf in tree:
         with pytest.raises(ValueError, match="out_axes"):
-            jax.vmap(lambda c: clients.per_client(tree, c >= 0)[leaf], out_axes=None)(counts)
-    chex.assert_trees_all_equal(jax.vmap(lambda c: clients.per_client(tree, c >= 0))(counts),
+            jax.vmap(lambda c: client_half.per_client(tree, c >= 0)[leaf], out_axes=None)(counts)
+    chex.assert_trees_all_equal(jax.vmap(lambda c: client_half.per_client(tree, c >= 0))(counts),
                                 jax.tree.map(lambda x: jnp.stack([x] * 4), tree), strict=True)
     # where local_training uses it
     calls = []
-    real = clients.per_client
-    monkeypatch.setattr(clients, "per_client", lambda tree, true: (calls.append(len(jax.tree.leaves(tree))),
+    real = client_half.per_client
+    monkeypatch.setattr(client_half, "per_client", lambda tree, true: (calls.append(len(jax.tree.leaves(tree))),
                                                                    real(tree, true))[1])
     algo = bf.algorithms.build("fedavg", tiny_model, small_fed, batch_size=16)
     data = ClientData(jnp.asarray(small_fed.x[0]), jnp.asarray(small_fed.y[0]), jnp.int32(small_fed.counts[0]))
@@ -590,14 +590,14 @@ def test_a_local_loop_starts_with_a_per_client_carry(small_fed, tiny_model, tiny
 
 
 def test_a_fixed_step_epoch_traces_its_step_once(monkeypatch):
-    """``clients.scanned_steps``: where the unroll decision measures the step (an accelerator, epoch short), the
+    """``client_half.scanned_steps``: where the unroll decision measures the step (an accelerator, epoch short), the
     scan replays the jaxpr it traced, so the Python step runs once, as where the scan traces the step itself (a
     CPU; an unroll given). Used as ``local_training`` uses it (an epoch scan around it, under the client vmap,
     the epochs under a cond, the step closing over per-client values and the epoch's key, with a cond and a grad
     inside), the replay gives the values and gradients of the step traced again and of a Python loop of steps,
     and the same lowered module (which a JAX release lowering a replayed jaxpr's constants differently would
     break)."""
-    from bfedjax.core import clients, layout
+    from bfedjax.core import client_half, layout
     calls, decided = [], []
     real_decision = layout.auto_unroll_local_steps
 
@@ -624,7 +624,7 @@ def test_a_fixed_step_epoch_traces_its_step_once(monkeypatch):
         def epoch(local, e):
             epoch_key = jax.random.fold_in(jax.random.key(7), e)
             step = functools.partial(one_step, shift=shift, epoch_key=epoch_key)
-            return clients.scanned_steps(step, local, 4, platform, unroll), None
+            return client_half.scanned_steps(step, local, 4, platform, unroll), None
 
         def train(local):
             return jax.lax.scan(epoch, local, jnp.arange(2))[0]

@@ -8,7 +8,7 @@ import pytest
 
 import bfedjax as bf
 from bfedjax.algorithms.fedref import mean_batch_loss, ref_lambda_at
-from bfedjax.core.cohort import with_round_subsets
+from bfedjax.core.sampling import with_round_subsets
 from bfedjax.core.round_config import RoundArrays, RoundConfig
 
 MODEL = bf.models.get_model("logistic", 3)

@@ -9,7 +9,7 @@ import pytest
 import bfedjax as bf
 from bfedjax.algorithms.hbfl import entropy_penalty, sample_weights
 from bfedjax.core import ClientContext, ClientData, RoundConfig, init_state, local_training, make_round_step
-from bfedjax.core.cohort import NO_BUDGET, sample_cohort, straggler_epochs
+from bfedjax.core.sampling import NO_BUDGET, sample_cohort, straggler_epochs
 from bfedjax.core.simulate import round_arrays, traced_hparams
 from bfedjax.core.types import Algorithm
 from bfedjax.losses import cross_entropy, distillation, masked_mean

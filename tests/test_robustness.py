@@ -38,9 +38,9 @@ def _round(algo, fed, params, backend="vmap", chunk=None, client_weights=None, o
 
 
 def test_finite_rows_flags_nan_and_both_infinities_in_any_leaf_without_overflow():
-    """server_half.finite_rows sums x * 0 per row (x times a zero vector on a CPU): NaN, +inf and -inf anywhere
+    """finite.finite_rows sums x * 0 per row (x times a zero vector on a CPU): NaN, +inf and -inf anywhere
     flag their row; values near float32's maximum, integer, bfloat16 and empty leaves do not break it."""
-    from bfedjax.core.server_half import finite_rows
+    from bfedjax.core.finite import finite_rows
     k = np.full((5, 6, 7, 8), 3e38, np.float32)  # a plain sum of a row would overflow to inf
     b = np.ones((5, 3), np.float32)
     k[1, 5, 6, 7], k[2, 0, 0, 0], b[3, 1] = np.nan, np.inf, -np.inf

@@ -1,8 +1,8 @@
 """Core: the algorithm contract, batching, the round engine and the simulation loop (jax only)."""
 from bfedjax.core import attacks, compile_cache, layout, sharding
 from bfedjax.core.attacks import ATTACKS, Attack
-from bfedjax.core.clients import local_training
-from bfedjax.core.cohort import Cohort, sample_cohort
+from bfedjax.core.client_half import local_training
+from bfedjax.core.sampling import Cohort, sample_cohort
 from bfedjax.core.engine import BACKENDS, make_round_step, replicated_on, with_own_buffers
 from bfedjax.core.reference_backends import StageError
 from bfedjax.core.round_config import EngineState, RoundArrays, RoundConfig, init_state, with_fixed_local_steps

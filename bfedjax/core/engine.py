@@ -63,11 +63,12 @@ stage, init / step / final / server / evaluate, where it happened).
 Modules: this one builds the vmapped round (chunks, streaming, devices) and
 dispatches ``make_round_step``'s backends; ``round_config`` holds
 ``RoundConfig``, ``RoundArrays``, ``EngineState`` and ``init_state``;
-``cohort`` the sampling, stragglers, round subsets and architecture groups;
-``clients`` one client's inputs and local training; ``server_half`` the
-attack, the non-finite drop and the aggregation (``finish_round``);
-``round_metrics`` the round's record; ``reference_backends`` the
-sequential, stepwise and debug backends.
+``sampling`` the cohort (sampling, stragglers, round subsets, architecture
+groups, the server's key); ``client_half`` one client's inputs, local
+training and persistent rows; ``finite`` the non-finite check;
+``server_half`` the attack, the non-finite drop and the aggregation
+(``finish_round``); ``round_metrics`` the round's record;
+``reference_backends`` the sequential, stepwise and debug backends.
 """
 
 from __future__ import annotations
@@ -78,14 +79,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bfedjax.core.clients import (client_test_data, local_training, run_one_client, scatter_persistent,
-                                  with_client_test_metrics)
-from bfedjax.core.cohort import (group_cohorts, group_rows, merge_groups, sample_cohort, server_key_of,
-                                 with_round_subsets)
+from bfedjax.core.client_half import (client_test_data, group_rows, local_training, run_one_client,
+                                     scatter_persistent, with_client_test_metrics)
+from bfedjax.core.finite import finite_rows, zero_rows
 from bfedjax.core.reference_backends import debug_round, sequential_round, stepwise_round
 from bfedjax.core.round_config import EngineState, RoundConfig
 from bfedjax.core.round_metrics import client_metric_sums, local_metric_sums, round_record
-from bfedjax.core.server_half import aggregation_hparams, attacked, finish_round, finite_rows, zero_rows
+from bfedjax.core.sampling import group_cohorts, merge_groups, sample_cohort, server_key_of, with_round_subsets
+from bfedjax.core.server_half import aggregation_hparams, attacked, finish_round
 from bfedjax.core.types import Algorithm, ClientContext, ClientData
 from bfedjax.tree import weighted_sum
 

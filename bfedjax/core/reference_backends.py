@@ -13,10 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from bfedjax.core.batching import epoch_permutation, take_batch
-from bfedjax.core.clients import (client_inputs, client_test_data, run_one_client, scatter_persistent,
+from bfedjax.core.client_half import (client_inputs, client_test_data, run_one_client, scatter_persistent,
                                   with_client_test_metrics)
-from bfedjax.core.cohort import sample_cohort, server_key_of
-from bfedjax.core.server_half import finish_round, finite_rows
+from bfedjax.core.sampling import sample_cohort, server_key_of
+from bfedjax.core.finite import finite_rows
+from bfedjax.core.server_half import finish_round
 from bfedjax.core.types import ClientContext
 from bfedjax.tree import tree_stack
 
@@ -58,7 +59,7 @@ def _looped_round(algorithm, config, one_client, wrap):
 def sequential_round(algorithm, config):
     """The ``sequential`` backend's ``round_step``: one jitted call per client (the whole local training)."""
     run = jax.jit(lambda state, arrays, hparams, cid, k, b, g: run_one_client(algorithm, config, state, arrays,
-                                                                                hparams, cid, k, b, g),
+                                                                               hparams, cid, k, b, g),
                   static_argnums=6)
     return _looped_round(algorithm, config, run, jax.jit)
 

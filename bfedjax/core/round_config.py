@@ -1,5 +1,7 @@
-"""What a round is given: its static configuration (``RoundConfig``), the device arrays it reads
-(``RoundArrays``) and the state it carries from round to round (``EngineState``, ``init_state``)."""
+"""What a round is given: its static configuration (``RoundConfig``; ``with_fixed_local_steps`` sets its
+fixed-step promise where the data allow), the device arrays it reads (``RoundArrays``) and the state it
+carries from round to round (``EngineState``, ``init_state``; each client's ``persistent_init`` key from
+``persistent_init_key``)."""
 from __future__ import annotations
 
 import dataclasses

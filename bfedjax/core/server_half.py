@@ -7,37 +7,17 @@ import jax
 import jax.numpy as jnp
 
 from bfedjax.core.attacks import attacked_messages
-from bfedjax.core.cohort import Cohort
+from bfedjax.core.finite import finite_rows, zero_rows
 from bfedjax.core.round_config import EngineState, RoundArrays, RoundConfig
 from bfedjax.core.round_metrics import client_metric_sums, local_metric_sums, round_record
+from bfedjax.core.sampling import Cohort
 from bfedjax.core.types import COHORT_WEIGHT, Algorithm
-from bfedjax.tree import zero_products_per_row
 
 
 def _kept_if_nobody_counts(new_server, old_server, weights, mask):
     """A cohort whose real clients all weigh zero leaves the server state as it was."""
     counts = jnp.sum(jnp.where(mask > 0, weights, 0.0)) > 0
     return jax.tree.map(lambda new, old: jnp.where(counts, new, old), new_server, old_server)
-
-
-def finite_rows(tree, slots: int) -> jax.Array:
-    """``[C]`` bool: every floating leaf of ``tree`` (leaves ``[C, ...]``) is finite in row ``c``."""
-    # x * 0 is 0 where x is finite and NaN where it is not (inf * 0 too), so a row's sum is 0 exactly when the
-    # row is finite and cannot overflow; tree.zero_products_per_row reads x once (a matrix-vector product on a
-    # CPU, where all(isfinite(x)) is a slow tree reduction of flags: results/bench/reductions.md)
-    rows = [zero_products_per_row(x, slots) == 0 for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-    if not rows:
-        return jnp.ones((slots,), bool)
-    # One count over the stacked [C, L] flags. Chained per-leaf ``&`` (or ``all`` over the stack, which XLA
-    # turns back into the chain) was copied into every per-leaf select that reads the result: with a BFL
-    # ResNet-20's 214 message leaves a quarter of the compiled round's HLO (``experiments.bench_round``).
-    return jnp.sum(jnp.stack(rows, axis=1).astype(jnp.float32), axis=1) == len(rows)
-
-
-def zero_rows(tree, keep):
-    """``tree`` (leaves ``[C, ...]``) with the rows where ``keep [C]`` is False set to 0."""
-    return jax.tree.map(lambda m: jnp.where(jnp.reshape(keep, (-1,) + (1,) * (m.ndim - 1)), m, jnp.zeros_like(m)),
-                        tree)
 
 
 def attacked(algorithm, config, state, arrays, ids, keys, messages):
@@ -94,8 +74,8 @@ def finish_round(algorithm: Algorithm, config: RoundConfig, state: EngineState, 
     server = _kept_if_nobody_counts(server, state.server, cohort.weights, cohort.mask)
     local_sums = local_metric_sums(algorithm, config, arrays, messages, cohort.weights, cohort.mask, hparams)
     metrics = round_record(algorithm, config, arrays, server, {**server_metrics, **fault_metrics},
-                             client_metric_sums(client_metrics, cohort.mask), cohort.mask, local_sums, hparams)
+                           client_metric_sums(client_metrics, cohort.mask), cohort.mask, local_sums, hparams)
     return EngineState(server, persistent), metrics
 
 
-__all__ = ["aggregation_hparams", "attacked", "finish_round", "finite_rows", "zero_rows"]
+__all__ = ["aggregation_hparams", "attacked", "finish_round"]

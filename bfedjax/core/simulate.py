@@ -15,7 +15,7 @@ import numpy as np
 
 from bfedjax.core.attacks import Attack, flip_labels
 from bfedjax.core import layout
-from bfedjax.core.clients import client_inputs, client_test_data
+from bfedjax.core.client_half import client_inputs, client_test_data
 from bfedjax.core.engine import make_round_step, replicated_on, with_own_buffers
 from bfedjax.core.round_config import EngineState, RoundArrays, RoundConfig, init_state, with_fixed_local_steps
 from bfedjax.core.types import Algorithm, ClientContext

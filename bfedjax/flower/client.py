@@ -22,9 +22,9 @@ from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
 from bfedjax.core import layout
-from bfedjax.core.clients import local_training
+from bfedjax.core.client_half import local_training
 from bfedjax.core.round_config import persistent_init_key
-from bfedjax.core.server_half import finite_rows
+from bfedjax.core.finite import finite_rows
 from bfedjax.core.simulate import traced_hparams
 from bfedjax.core.types import Algorithm, ClientContext, ClientData
 from bfedjax.flower import protocol as P

@@ -11,8 +11,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from bfedjax.core.clients import local_training
-from bfedjax.core.cohort import NO_BUDGET
+from bfedjax.core.client_half import local_training
+from bfedjax.core.sampling import NO_BUDGET
 from bfedjax.core.simulate import traced_hparams
 from bfedjax.core.types import Algorithm, ClientContext, ClientData
 

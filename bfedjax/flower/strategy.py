@@ -32,7 +32,7 @@ from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
 from bfedjax.core import layout
-from bfedjax.core.cohort import sample_cohort, server_key_of
+from bfedjax.core.sampling import sample_cohort, server_key_of
 from bfedjax.core.round_config import EngineState, RoundArrays, RoundConfig
 from bfedjax.core.server_half import finish_round
 from bfedjax.core.simulate import client_base_weights, cohort_size, round_key, traced_hparams

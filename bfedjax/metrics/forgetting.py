@@ -81,9 +81,10 @@ def forgetting_rounds(algorithms: dict, trajectory: str, apply_fn: Callable, fed
       rounds ``2 .. T``; ``"accuracy"`` holds ``T`` floats, the trajectory's global accuracy after each round.
     """
     from bfedjax.core import ClientContext, RoundConfig, init_state, local_training, round_arrays, sample_cohort
-    from bfedjax.core.clients import client_inputs
-    from bfedjax.core.cohort import server_key_of
-    from bfedjax.core.server_half import finish_round, finite_rows
+    from bfedjax.core.client_half import client_inputs
+    from bfedjax.core.finite import finite_rows
+    from bfedjax.core.sampling import server_key_of
+    from bfedjax.core.server_half import finish_round
     from bfedjax.core.simulate import round_key, traced_hparams
 
     main = algorithms[trajectory]

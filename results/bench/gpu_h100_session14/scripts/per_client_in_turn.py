@@ -1,7 +1,7 @@
-"""Rounds of the library with and without clients.per_client (patched to the identity), compiled in one process and timed in turn: PYTHONPATH=. python results/bench/gpu_h100_session14/scripts/per_client_in_turn.py K:fixed:algorithm ROUNDS (MLP 784-200-200-10, B = 10, 100 procedural samples per client, one vmap)."""
+"""Rounds of the library with and without client_half.per_client (patched to the identity), compiled in one process and timed in turn: PYTHONPATH=. python results/bench/gpu_h100_session14/scripts/per_client_in_turn.py K:fixed:algorithm ROUNDS (MLP 784-200-200-10, B = 10, 100 procedural samples per client, one vmap)."""
 import sys, time, numpy as np, jax
 import bfedjax as bf
-from bfedjax.core import clients
+from bfedjax.core import client_half
 from experiments.bench_round import federation, SHAPES
 from bfedjax.core import RoundConfig, init_state, make_round_step, with_fixed_local_steps, with_own_buffers
 from bfedjax.core.simulate import round_arrays, traced_hparams
@@ -13,15 +13,15 @@ arrays = round_arrays(fed)
 cfg = RoundConfig(k, k, evaluate_local=False)
 if fixed: cfg = with_fixed_local_steps(cfg, arrays)
 params = algo.init_params(jax.random.PRNGKey(0), fed.input_shape)
-real = clients.per_client
+real = client_half.per_client
 steps = {}
 for variant in ("old", "new"):
-    clients.per_client = (lambda tree, true: tree) if variant == "old" else real
+    client_half.per_client = (lambda tree, true: tree) if variant == "old" else real
     state = with_own_buffers(init_state(algo, params, cfg), params)
     step = make_round_step(algo, cfg, "vmap", donate_state=True)
     compiled = step.lower(state, arrays, jax.random.PRNGKey(0), traced_hparams(algo, 1)).compile()
     steps[variant] = [compiled, state]
-clients.per_client = real
+client_half.per_client = real
 best = {v: [] for v in steps}
 for r in range(int(sys.argv[2]) + 1):
     for v, (c, st) in steps.items():

@@ -10,6 +10,6 @@ exec(compile(source, script, "exec"), {"__name__": "__main__"})
 profile.disable()
 out = io.StringIO()
 pstats.Stats(profile, stream=out).sort_stats("cumulative").print_stats(
-    r"engine.py.*\(local_training\)|engine.py.*\(scanned_steps\)|svi.py.*\(init\)|\(_setup_prototype\)|"
+    r"(engine|client_half).py.*\(local_training\)|(engine|client_half).py.*\(scanned_steps\)|svi.py.*\(init\)|\(_setup_prototype\)|"
     r"\(find_valid_initial_params\)|layout.py.*\(auto_unroll_local_steps\)|\(make_jaxpr_f\)")
 print(out.getvalue().split("ncalls")[-1])

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import bfedjax as bf
-from bfedjax.core.clients import local_training
+from bfedjax.core.client_half import local_training
 from bfedjax.core.types import ClientContext, ClientData
 
 VARIANTS = {"fedavg": ("fedavg", {}), "fola": ("fola", {}), "fola_noclip": ("fola", {"clip_norm": None}),

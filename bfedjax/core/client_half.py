@@ -1,6 +1,7 @@
-"""One client's part of a round: its inputs (data, persistent state, test split), its local training
-(``local_training``: epochs under ``lax.scan``, steps under a ``lax.while_loop`` or a fixed-step scan), the
-scores of its own models on its own test split, and the write-back of its new persistent state. The same
+"""The client half of a round, one client's part: its inputs (data, its rows of the persistent state, test
+split), its local training (``local_training``: epochs under ``lax.scan``, steps under a ``lax.while_loop``
+or a fixed-step scan), the scores of its own models on its own test split, and the write-back of its new
+persistent state. The same
 functions run under the engine's client vmap, in its chunks and in the reference backends."""
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 
 from bfedjax.core import layout
 from bfedjax.core.batching import batch_is_real, epoch_permutation, steps_per_epoch, take_batch
-from bfedjax.core.cohort import NO_BUDGET, group_rows
+from bfedjax.core.sampling import NO_BUDGET
 from bfedjax.core.round_config import EngineState, RoundArrays, RoundConfig
 from bfedjax.core.types import Algorithm, ClientContext, ClientData
 
@@ -123,6 +124,14 @@ def per_client(tree, true):
     return jax.tree.map(lambda leaf: jnp.where(true, leaf, leaf), tree)
 
 
+def group_rows(config: RoundConfig, client_ids, group: int):
+    """Rows of ``client_ids`` in ``group``'s persistent state (0 for padding ids and other groups' clients)."""
+    n = config.num_clients
+    safe = jnp.minimum(client_ids, n - 1)
+    own = (client_ids < n) & (jnp.asarray(config.group_of)[safe] == group)
+    return jnp.where(own, jnp.asarray(config.index_in_group)[safe], 0)
+
+
 def client_inputs(state: EngineState, arrays: RoundArrays, config: RoundConfig, client_id, group: int):
     """Data and persistent state of one client of ``group`` (padding id N gives an empty client)."""
     n = arrays.counts.shape[0]
@@ -167,6 +176,8 @@ def with_client_test_metrics(algorithm: Algorithm, arrays: RoundArrays, client_i
 
 
 def run_one_client(algorithm, config, state, arrays, hparams, client_id, key, budget, group):
+    """``(message, persistent, metrics)`` of client ``client_id`` of ``group`` (padding id ``N``: an empty
+    client) after its local training under the step ``budget``, with its per-client test metrics."""
     data, persistent = client_inputs(state, arrays, config, client_id, group)
     ctx = ClientContext(state.server, persistent, data, hparams, group, client_test_data(arrays, client_id))
     outputs = local_training(algorithm, ctx, key, budget, config.fixed_local_steps, config.unroll_local_steps)

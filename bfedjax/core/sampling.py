@@ -1,6 +1,7 @@
-"""A round's cohort: which clients train (``sample_cohort``), with what weight and step budget (stragglers),
-on which rows of their data (``with_round_subsets``), and in which architecture group's slots
-(``group_cohorts``, ``merge_groups``). Every draw depends only on the round key and the client id, so every
+"""A round's cohort (``Cohort``): which clients train (``sample_cohort``), with what weight and step budget
+(stragglers; ``NO_BUDGET`` never binds), on which rows of their data (``with_round_subsets``), and in which
+architecture group's slots (``group_cohorts``, ``merge_groups``); and the server's key (``server_key_of``).
+Every draw depends only on the round key (a stream of its own for each) and the client id, so every
 algorithm sees the same cohort at a given seed."""
 from __future__ import annotations
 
@@ -113,14 +114,6 @@ def server_key_of(round_key: jax.Array) -> jax.Array:
     return jax.random.fold_in(round_key, SERVER_KEY_STREAM)
 
 
-def group_rows(config: RoundConfig, client_ids, group: int):
-    """Rows of ``client_ids`` in ``group``'s persistent state (0 for padding ids and other groups' clients)."""
-    n = config.num_clients
-    safe = jnp.minimum(client_ids, n - 1)
-    own = (client_ids < n) & (jnp.asarray(config.group_of)[safe] == group)
-    return jnp.where(own, jnp.asarray(config.index_in_group)[safe], 0)
-
-
 def group_cohorts(config: RoundConfig, cohort: Cohort):
     """``[(group, positions, sub_cohort)]``: each group's clients of the cohort in ``group_slots(g)`` slots.
 
@@ -161,5 +154,5 @@ def merge_groups(parts, kp: int):
     return out
 
 
-__all__ = ["NO_BUDGET", "Cohort", "group_cohorts", "group_rows", "merge_groups", "sample_cohort", "server_key_of",
+__all__ = ["NO_BUDGET", "Cohort", "group_cohorts", "merge_groups", "sample_cohort", "server_key_of",
            "straggler_epochs", "with_round_subsets"]
