@@ -175,10 +175,14 @@ def with_client_test_metrics(algorithm: Algorithm, arrays: RoundArrays, client_i
     return message, persistent, {**metrics, **scores}
 
 
-def run_one_client(algorithm, config, state, arrays, hparams, client_id, key, budget, group):
+def run_one_client(algorithm, config, state, arrays, hparams, client_id, key, budget, group, inputs=None):
     """``(message, persistent, metrics)`` of client ``client_id`` of ``group`` (padding id ``N``: an empty
-    client) after its local training under the step ``budget``, with its per-client test metrics."""
-    data, persistent = client_inputs(state, arrays, config, client_id, group)
+    client) after its local training under the step ``budget``, with its per-client test metrics.
+
+    ``inputs``: the client's ``(ClientData, persistent state)`` where the caller already holds them (the
+    full-participation vmap over the stored client axis); ``None`` gathers them (``client_inputs``).
+    """
+    data, persistent = client_inputs(state, arrays, config, client_id, group) if inputs is None else inputs
     ctx = ClientContext(state.server, persistent, data, hparams, group, client_test_data(arrays, client_id))
     outputs = local_training(algorithm, ctx, key, budget, config.fixed_local_steps, config.unroll_local_steps)
     return with_client_test_metrics(algorithm, arrays, client_id, outputs, group)

@@ -79,15 +79,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bfedjax.core.client_half import (client_test_data, group_rows, local_training, run_one_client,
-                                     scatter_persistent, with_client_test_metrics)
+from bfedjax.core.client_half import group_rows, run_one_client, scatter_persistent
 from bfedjax.core.finite import finite_rows, zero_rows
 from bfedjax.core.reference_backends import debug_round, sequential_round, stepwise_round
 from bfedjax.core.round_config import EngineState, RoundConfig
 from bfedjax.core.round_metrics import client_metric_sums, local_metric_sums, round_record
 from bfedjax.core.sampling import group_cohorts, merge_groups, sample_cohort, server_key_of, with_round_subsets
 from bfedjax.core.server_half import aggregation_hparams, attacked, finish_round
-from bfedjax.core.types import Algorithm, ClientContext, ClientData
+from bfedjax.core.types import Algorithm, ClientData
 from bfedjax.tree import weighted_sum
 
 BACKENDS = ("vmap", "sequential", "stepwise", "debug")
@@ -319,9 +318,7 @@ def _vmapped_round(algorithm, config, state, arrays, key, hparams):
         if everyone and chunk is None:
             # Full participation: vmap straight over the stored client axis (no gather copy).
             def train_in_place(data, persistent, cid, k, b):
-                ctx = ClientContext(state.server, persistent, data, hparams, 0, client_test_data(arrays, cid))
-                outputs = local_training(algorithm, ctx, k, b, config.fixed_local_steps, config.unroll_local_steps)
-                return with_client_test_metrics(algorithm, arrays, cid, outputs, 0)
+                return run_one_client(algorithm, config, state, arrays, hparams, cid, k, b, 0, (data, persistent))
             data = ClientData(arrays.x, arrays.y, arrays.counts)
             outputs = jax.vmap(train_in_place)(data, state.persistent[0], sub.ids, sub.keys, sub.budgets)
         elif chunk is None or chunk >= slots:
