@@ -1,6 +1,5 @@
 """On the CPU, forced: the factored dense update (v3 = factored + large kernels only) against the plain step, two FedAvg rounds."""
-import sys
-import jax, jax.numpy as jnp, numpy as np
+import jax, jax.numpy as jnp
 import bfedjax as bf
 from bfedjax.algorithms import dense_update
 from experiments.bench_round import federation, SHAPES

@@ -1,5 +1,5 @@
 """Two BFL rounds (MLP, K = 4) in the tree on PYTHONPATH; saves the server state, raveled, to argv[1] (.npy) to compare trees."""
-import jax, jax.numpy as jnp, numpy as np
+import jax, numpy as np
 import bfedjax as bf
 from experiments.bench_round import federation, SHAPES
 from bfedjax.core import RoundConfig, init_state, make_round_step
