@@ -8,10 +8,11 @@ from bfedjax.core.layout import random_bits_lowering
 from bfedjax.core.simulate import round_arrays, traced_hparams
 
 
-def resnet20_round():
-    """``(algorithm, round step, donated state, round arrays, hparams)`` of the round (also resnet_compile_split.py's)."""
+def resnet20_round(model=None):
+    """``(algorithm, round step, donated state, round arrays, hparams)`` of the round (also resnet_compile_split.py's);
+    ``model`` replaces ResNet-20 on the same 32x32x3 images (session 30's block counts)."""
     fed = federation(10, SHAPES["resnet20"])
-    model = bf.models.get_model("resnet20", 10)
+    model = bf.models.get_model("resnet20", 10) if model is None else model
     algo = bf.algorithms.build("bfl", model, fed, batch_size=32).replace(evaluate=None)
     arrays = round_arrays(fed)
     cfg = with_fixed_local_steps(RoundConfig(10, 10, evaluate_local=False), arrays)

@@ -15,9 +15,9 @@
 #    Keep it if v4 compiles at least 10% faster than both head runs and its round is no more than 3% slower.
 # Session 30 checked the preparation at 7d73c0f (after the engine split): the three patches apply (meanfield.py's
 #   hunks at offsets of 13 and 23 lines), and on the CPU the trees run and agree with HEAD. v3's factored update,
-#   forced onto the CPU, matches the plain step: `PYTHONPATH=.gpu/v3 python $S/check_factored_cpu.py` gave 2.98e-08
+#   forced onto the CPU, matches the plain step: `PYTHONPATH=.gpu/v3 python $S/check_patches_cpu.py factored` gave 2.98e-08
 #   on changes up to 4.24e-02 (two FedAvg rounds, MLP, K = 4). v4's two BFL rounds match HEAD's to 4.2e-07 on values
-#   up to 0.47: `PYTHONPATH=.gpu/v4 python $S/check_flatten_cpu.py /tmp/v4.npy`, the same with `PYTHONPATH=.` to
+#   up to 0.47: `PYTHONPATH=.gpu/v4 python $S/check_patches_cpu.py flatten /tmp/v4.npy`, the same with `PYTHONPATH=.` to
 #   /tmp/head.npy, then the largest absolute difference of the two arrays.
 # Preparation, here, from the repository root (.gpu/ is in .git/info/exclude), then run with carry [".gpu"]:
 #   S=results/bench/gpu_h200_session16/scripts; rm -rf .gpu && mkdir -p .gpu/data .gpu/head .gpu/old .gpu/v2 .gpu/v3 .gpu/v4

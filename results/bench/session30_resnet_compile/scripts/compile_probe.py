@@ -1,0 +1,55 @@
+"""Compile time (CPU) of the variational ResNet round (BFL, K = 10, B = 32, ``ctime.resnet20_round``), for diagnosis
+only; from the repository root, ``python results/bench/session30_resnet_compile/scripts/compile_probe.py VARIANT``:
+
+``head``       the round as the library builds it;
+``stubbed``    with the finite check (every client finite), the zeroing of non-finite rows and the
+               keep-if-nobody-counts select replaced by no-ops: the robustness layer's per-leaf passes that this
+               round (full participation, one vmap) runs;
+``blocks=K``   with ``ResNet20(blocks_per_stage=K)`` (3K residual blocks; ResNet-20 is K = 3), and for ``K = 0`` an
+               MLP (hidden 200-200) on the same 32x32x3 images.
+
+Prints tracing, lowering and XLA's time and the optimised HLO's lines and fusions."""
+import sys
+import time
+
+sys.path.insert(0, "results/bench/gpu_h200_session16/scripts")
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import bfedjax as bf  # noqa: E402
+import bfedjax.core.engine as engine  # noqa: E402
+import bfedjax.core.server_half as server_half  # noqa: E402
+from bfedjax.core.layout import random_bits_lowering  # noqa: E402
+from ctime import resnet20_round  # noqa: E402
+
+
+def model_and_label(variant):
+    if variant in ("head", "stubbed"):
+        return None, variant
+    k = int(variant.split("=", 1)[1])
+    model = bf.models.ResNet20(10, blocks_per_stage=k) if k > 0 else bf.models.get_model("mlp", 10, hidden=(200, 200))
+    return model, f"blocks_per_stage={k} ({3 * k} blocks)"
+
+
+def main(variant):
+    if variant == "stubbed":
+        engine.finite_rows = lambda tree, slots: jnp.ones((slots,), bool)  # the name _vmapped_round calls
+        server_half.zero_rows = lambda tree, keep: tree
+        server_half._kept_if_nobody_counts = lambda new, old, weights, mask: new
+    model, label = model_and_label(variant)
+    _, step, state, arrays, hparams = resnet20_round(model)
+    with random_bits_lowering():
+        t0 = time.perf_counter()
+        traced = step.trace(state, arrays, jax.random.PRNGKey(0), hparams)
+        t1 = time.perf_counter()
+        lowered = traced.lower()
+        t2 = time.perf_counter()
+        compiled = lowered.compile()
+        t3 = time.perf_counter()
+    text = compiled.as_text().splitlines()
+    print(f"{label}: trace {t1 - t0:.2f}s lower {t2 - t1:.2f}s xla {t3 - t2:.2f}s hlo_lines {len(text)} "
+          f"fusions {sum(' fusion(' in line for line in text)}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
