@@ -21,19 +21,27 @@ def resnet20_round(model=None):
     return algo, make_round_step(algo, cfg, "vmap", donate_state=True), state, arrays, traced_hparams(algo, 1)
 
 
+def timed_compile(fn, *args, compiler_options=None):
+    """``(compiled, trace_s, lower_s, xla_s)``: ``fn`` (jitted) traced, lowered and compiled for ``args``, each timed
+    (also resnet_compile_split.py's and session 30's compile_probe.py's)."""
+    t0 = time.perf_counter(); traced = fn.trace(*args)
+    t1 = time.perf_counter(); lowered = traced.lower(); t2 = time.perf_counter()
+    compiled = lowered.compile(compiler_options=compiler_options); t3 = time.perf_counter()
+    return compiled, t1 - t0, t2 - t1, t3 - t2
+
+
 def main(argv, rounds=13):
     opts = {}
     for a in argv:
         k, v = a.split("=", 1); opts[k] = int(v) if v.lstrip("-").isdigit() else {"true": True, "false": False}.get(v, v)
     _, step, state, arrays, hp = resnet20_round()
     with random_bits_lowering():
-        t0 = time.perf_counter(); traced = step.trace(state, arrays, jax.random.PRNGKey(0), hp)
-        t1 = time.perf_counter(); lowered = traced.lower(); t2 = time.perf_counter()
-        compiled = lowered.compile(compiler_options=opts); t3 = time.perf_counter()
+        compiled, trace_s, lower_s, xla_s = timed_compile(step, state, arrays, jax.random.PRNGKey(0), hp,
+                                                          compiler_options=opts)
     times = []
     for r in range(rounds):
         s = time.perf_counter(); state, met = compiled(state, arrays, jax.random.PRNGKey(r), hp); jax.block_until_ready((state, met)); times.append(time.perf_counter() - s)
-    print(f"CTIME {opts}: trace {t1-t0:.2f}s lower {t2-t1:.2f}s xla {t3-t2:.2f}s round median {1e3*statistics.median(times[min(3, rounds - 1):]):.1f} ms", flush=True)
+    print(f"CTIME {opts}: trace {trace_s:.2f}s lower {lower_s:.2f}s xla {xla_s:.2f}s round median {1e3*statistics.median(times[min(3, rounds - 1):]):.1f} ms", flush=True)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from ctime import resnet20_round  # noqa: E402
+from ctime import resnet20_round, timed_compile  # noqa: E402
 
 
 def main(argv):
@@ -30,13 +30,7 @@ def main(argv):
             server, messages, jnp.full((10,), 0.1), jnp.ones((10,)), {**hparams, "cohort_weight": jnp.float32(1)},
             jax.random.PRNGKey(0)))
         args = (state.server, messages, hparams)
-    t0 = time.perf_counter()
-    traced = fn.trace(*args)
-    t1 = time.perf_counter()
-    lowered = traced.lower()
-    t2 = time.perf_counter()
-    compiled = lowered.compile()
-    t3 = time.perf_counter()
+    compiled, trace_s, lower_s, xla_s = timed_compile(fn, *args)
     text = compiled.as_text().splitlines()
     round_s = []
     if what == "round":
@@ -46,7 +40,7 @@ def main(argv):
             state, _ = compiled(state, arrays, jax.random.PRNGKey(r), hparams)
             jax.block_until_ready(state)
             round_s.append(round(time.perf_counter() - start, 2))
-    print(f"{what}: trace {t1 - t0:.2f}s lower {t2 - t1:.2f}s xla {t3 - t2:.2f}s hlo_lines {len(text)} "
+    print(f"{what}: trace {trace_s:.2f}s lower {lower_s:.2f}s xla {xla_s:.2f}s hlo_lines {len(text)} "
           f"fusions {sum(' fusion(' in line for line in text)} rounds_s {round_s}", flush=True)
 
 

@@ -10,7 +10,6 @@ only; from the repository root, ``python results/bench/session30_resnet_compile/
 
 Prints tracing, lowering and XLA's time and the optimised HLO's lines and fusions."""
 import sys
-import time
 
 sys.path.insert(0, "results/bench/gpu_h200_session16/scripts")
 import jax  # noqa: E402
@@ -20,7 +19,7 @@ import bfedjax as bf  # noqa: E402
 import bfedjax.core.engine as engine  # noqa: E402
 import bfedjax.core.server_half as server_half  # noqa: E402
 from bfedjax.core.layout import random_bits_lowering  # noqa: E402
-from ctime import resnet20_round  # noqa: E402
+from ctime import resnet20_round, timed_compile  # noqa: E402
 
 
 def model_and_label(variant):
@@ -39,15 +38,9 @@ def main(variant):
     model, label = model_and_label(variant)
     _, step, state, arrays, hparams = resnet20_round(model)
     with random_bits_lowering():
-        t0 = time.perf_counter()
-        traced = step.trace(state, arrays, jax.random.PRNGKey(0), hparams)
-        t1 = time.perf_counter()
-        lowered = traced.lower()
-        t2 = time.perf_counter()
-        compiled = lowered.compile()
-        t3 = time.perf_counter()
+        compiled, trace_s, lower_s, xla_s = timed_compile(step, state, arrays, jax.random.PRNGKey(0), hparams)
     text = compiled.as_text().splitlines()
-    print(f"{label}: trace {t1 - t0:.2f}s lower {t2 - t1:.2f}s xla {t3 - t2:.2f}s hlo_lines {len(text)} "
+    print(f"{label}: trace {trace_s:.2f}s lower {lower_s:.2f}s xla {xla_s:.2f}s hlo_lines {len(text)} "
           f"fusions {sum(' fusion(' in line for line in text)}", flush=True)
 
 
