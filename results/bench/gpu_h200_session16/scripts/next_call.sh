@@ -1,5 +1,6 @@
 #!/bin/bash
-# Prepared for the next session with a GPU (not yet run): one call, about 8 minutes.
+# Prepared for the next session with a GPU (not yet run): one call, about 9 minutes (run it with timeout_s=600; the
+# parts run in order of priority, and what they wrote under $OUT comes back even if the call runs out of time).
 # 1. The ResNet-20 compile at HEAD and at d833bca (before session 15's guide and replay) on one machine:
 #    separates the host from the code (session 16: 25.7 and 31.5 s on two H200 machines).
 # 2. FedAvg's factored dense update (the saved patch) and the same on large kernels only (on top of it)
@@ -13,6 +14,14 @@
 #    took 43.7 / 41.9 s against 46.0 / 43.4 s: within this VM's noise, so not kept (the server half alone
 #    compiles in 2.2 s: the local step is where the time is). On a GPU each fusion is a kernel to compile.
 #    Keep it if v4 compiles at least 10% faster than both head runs and its round is no more than 3% slower.
+# 5. (added in session 31) scanned residual blocks: v5 is HEAD with ../../session31_scanned_blocks/scanned_blocks.patch
+#    (ResNet20(scan_blocks=True): each stage's shape-keeping blocks as one nn.scan stack, 5 distinct blocks compiled
+#    instead of 9). The ResNet-20 compile and 10 rounds with it ("scanned") and without it ("unscanned", HEAD's
+#    network), one process each, right after part 1. On the 2-core CPU the optimised HLO fell from 104,287 to 70,725
+#    lines and the fusions from 3,695 to 2,828, XLA's time did not fall and the round was 19% slower
+#    (session31_scanned_blocks/README.md). Land the patch, with scan_blocks=True as ResNet-20's default, if
+#    "scanned" compiles at least 10% faster than "unscanned" and both head runs of part 1 and its round is no more
+#    than 5% slower.
 # Session 30 checked the preparation at 7d73c0f (after the engine split): the three patches apply (meanfield.py's
 #   hunks at offsets of 13 and 23 lines), and on the CPU the trees run and agree with HEAD. v3's factored update,
 #   forced onto the CPU, matches the plain step: `PYTHONPATH=.gpu/v3 python $S/check_patches_cpu.py factored` gave 2.98e-08
@@ -20,17 +29,21 @@
 #   up to 0.47: `PYTHONPATH=.gpu/v4 python $S/check_patches_cpu.py flatten /tmp/v4.npy`, the same with `PYTHONPATH=.` to
 #   /tmp/head.npy, then the largest absolute difference of the two arrays.
 # Preparation, here, from the repository root (.gpu/ is in .git/info/exclude), then run with carry [".gpu"]:
-#   S=results/bench/gpu_h200_session16/scripts; rm -rf .gpu && mkdir -p .gpu/data .gpu/head .gpu/old .gpu/v2 .gpu/v3 .gpu/v4
+#   S=results/bench/gpu_h200_session16/scripts; rm -rf .gpu && mkdir -p .gpu/data .gpu/head .gpu/old .gpu/v2 .gpu/v3 .gpu/v4 .gpu/v5
 #   cp /usr/share/datasets/fashion-mnist/*.gz .gpu/data/; cp $S/ctime.py $S/next_call.sh .gpu/
+#   cp results/bench/session31_scanned_blocks/scripts/scan_probe.py .gpu/
 #   cp results/bench/gpu_h100_targets/scripts/prof_round.py .gpu/
 #   git archive HEAD bfedjax experiments | tar -x -C .gpu/head; git archive d833bca bfedjax experiments | tar -x -C .gpu/old
 #   for v in v2 v3 v4; do git archive HEAD bfedjax experiments | tar -x -C .gpu/$v; done
+#   git archive HEAD BUILD bfedjax experiments tests | tar -x -C .gpu/v5  # the patch touches BUILD and tests too
+#   (cd .gpu/v5 && patch -p1 < ../../results/bench/session31_scanned_blocks/scanned_blocks.patch)
 #   (cd .gpu/v4 && patch -p1 < ../../$S/optax_flatten.patch)
 #   (cd .gpu/v2 && patch -p1 < ../../$S/factored_dense_update.patch)
 #   (cd .gpu/v3 && patch -p1 < ../../$S/factored_dense_update.patch && patch -p1 < ../../$S/large_kernels_only.patch)
 export PYTHONUNBUFFERED=1 BFEDJAX_DATA_DIR=$PWD/.gpu/data
 G=$PWD/.gpu; nvidia-smi -L; lscpu | grep "Model name"; date +%T
 for c in head old head v4; do (cd $G/$c && PYTHONPATH=$PWD timeout 90 python3 $G/ctime.py 2>&1 | grep CTIME | sed "s/^/$c /"); done | tee $OUT/ctime.txt
+for v in scanned unscanned; do (cd $G/v5 && PYTHONPATH=$PWD:$G timeout 90 python3 $G/scan_probe.py $v 10 2>&1 | grep "^$v:" | sed "s/^/v5 /"); done | tee $OUT/scan.txt
 SPECS="100:fedavg:mlp:4 1000:fedavg:mlp:4 100:fedavg:fedreg_cnn:4"
 for c in head v2 v3; do (cd $G/$c && PYTHONPATH=$PWD NOPROF=1 timeout 90 python3 $G/prof_round.py $SPECS 2>&1 | grep TIME | sed "s/^/$c /"); done | tee $OUT/probes.txt
 date +%T
