@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpyro.distributions as dist
 import optax
 
+from bfedjax import flat_random
 from bfedjax.algorithms.private_models import PrivateModels, output_shape
 from bfedjax.core.types import Algorithm, Batch, ClientContext
 from bfedjax.losses import cross_entropy
@@ -41,6 +42,7 @@ from bfedjax.posteriors.aggregation import gaussian_product
 from bfedjax.posteriors.gaussian import DiagGaussian, softplus_inverse
 from bfedjax.metrics.classification import evaluate as classification_metrics
 from bfedjax.tasks import EVAL_BATCH_SIZE, classification
+from bfedjax.vi.flat_normal import FlatDrawNormal
 
 SIGMA_MODES = ("reinit", "persist", "broadcast")
 TEACHERS = ("mean", "sample", "mc")
@@ -63,7 +65,7 @@ def _leaf_keys(key, tree):
 def sample_weights(meme: dict, key) -> dict:
     """One reparameterised draw of the meme's weights, ``mu + softplus(rho) * eps`` per leaf
     (NumPyro's ``Normal(mu, sigma).rsample``: gradients flow to ``mu`` and ``rho``)."""
-    return jax.tree.map(lambda m, r, k: dist.Normal(m, jax.nn.softplus(r)).rsample(k), meme["mu"], meme["rho"],
+    return jax.tree.map(lambda m, r, k: FlatDrawNormal(m, jax.nn.softplus(r)).rsample(k), meme["mu"], meme["rho"],
                         _leaf_keys(key, meme["mu"]))
 
 
@@ -150,7 +152,7 @@ def hbfl(model, *, input_shape: Sequence[int], local_models: Sequence | None = N
     def initial_rho(mu, key):
         rho = jax.tree.map(lambda m: jnp.full(jnp.shape(m), rho_init, jnp.result_type(m)), mu)
         if rho_init_std:
-            rho = jax.tree.map(lambda r, k: r + rho_init_std * jax.random.normal(k, r.shape, r.dtype), rho,
+            rho = jax.tree.map(lambda r, k: r + rho_init_std * flat_random.normal(k, r.shape, r.dtype), rho,
                                _leaf_keys(key, mu))
         return rho
 

@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bfedjax import flat_random
+
 ATTACKS = ("sign_flip", "scale", "noise", "label_flip", "nan")
 ATTACK_KEY_STREAM = 0xA77A  # the noise attack's key: fold_in(client key, this)
 DEFAULT_SCALE = {"sign_flip": 1.0, "scale": 10.0}
@@ -98,7 +100,7 @@ def attacked_messages(attack: Attack, messages, global_params, malicious: jax.Ar
         elif attack.kind == "nan":
             bad = jnp.full_like(m, jnp.nan)
         else:
-            noise = jax.vmap(lambda key: jax.random.normal(key, g.shape, m.dtype))(k)
+            noise = jax.vmap(lambda key: flat_random.normal(key, g.shape, m.dtype))(k)
             bad = g[None] + attack.noise_std * noise
         return jnp.where(shape(m), bad, m)
 

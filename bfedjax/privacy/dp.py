@@ -22,6 +22,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from bfedjax import flat_random
 from bfedjax.core.types import Batch
 from bfedjax.laplace.fisher import per_example_grads
 from bfedjax.optional import require
@@ -58,7 +59,7 @@ def gaussian_like(tree, key: jax.Array, std) -> object:
     """Independent ``N(0, std^2)`` noise shaped like every leaf of ``tree``."""
     leaves, treedef = jax.tree.flatten(tree)
     keys = jax.random.split(key, len(leaves))
-    return treedef.unflatten([std * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])
+    return treedef.unflatten([std * flat_random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])
 
 
 def private_gradient(apply_fn: Callable, params, batch: Batch, key: jax.Array, *, clip_norm: float,

@@ -41,13 +41,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from bfedjax import flat_random
+
 NOISY_LAYERS = (nn.Dense, nn.Conv)
 
 
 def _signs(key, y) -> jax.Array:
     """Random +-1 of shape ``[B, 1, .., 1, C]`` for a layer input or output ``y [B, ..., C]``."""
     shape = y.shape[:1] + (1,) * (y.ndim - 2) + y.shape[-1:] if y.ndim >= 2 else y.shape
-    return jax.random.rademacher(key, shape, dtype=y.dtype)
+    return flat_random.rademacher(key, shape, dtype=y.dtype)
 
 
 def _sqrt_or_zero(v):
@@ -97,7 +99,7 @@ def _flipout_noise(bare, x, mean, delta, key):
 def _local_reparameterization_noise(bare, x, mean, sigma, key):
     """``sqrt(bare(x^2, sigma^2)) * eps`` with ``eps ~ N(0, 1)`` of ``mean``'s shape ``[B, ..., C_out]``."""
     std = _sqrt_or_zero(bare(jnp.square(x), jnp.square(sigma)))
-    return std * jax.random.normal(key, mean.shape, mean.dtype)
+    return std * flat_random.normal(key, mean.shape, mean.dtype)
 
 
 def flipout_interceptor(kernel_noise: dict, key):

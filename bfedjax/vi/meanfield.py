@@ -43,8 +43,10 @@ from numpyro.contrib.module import random_flax_module
 from numpyro.distributions import constraints
 from numpyro.infer import SVI, TraceMeanField_ELBO
 
+from bfedjax import flat_random
 from bfedjax.models.apply import apply_fn_of, has_batch_stats, needs_train_mode
 from bfedjax.models.zoo import init_params
+from bfedjax.vi.flat_normal import FlatDrawNormal
 from bfedjax.vi.layer_noise import flipout_apply, local_reparameterization_apply
 
 NET = "net"
@@ -178,7 +180,7 @@ class MeanFieldVI:
                 scale = numpyro.param(_guide_param(name, "scale"),
                                       lambda _, leaf=leaf: jnp.full(leaf.shape, self.config.init_scale, leaf.dtype),
                                       constraint=constraints.softplus_positive)
-                numpyro.sample(f"{NET}/{name}", dist.Normal(loc, scale).to_event(leaf.ndim))  # one event, as the prior
+                numpyro.sample(f"{NET}/{name}", FlatDrawNormal(loc, scale).to_event(leaf.ndim))  # one event, as the prior
 
     def numpyro_model(self, x, y, mask, count, prior_loc=None, prior_scale=None, kl_weight=None):
         """x ``[B, ...]``, y ``[B]``, mask ``[B]``, count ``[]``; optional prior pytrees (global posterior).
@@ -330,7 +332,7 @@ class MeanFieldVI:
 
         def one(k):
             keys = jax.random.split(k, len(flat_loc))
-            sample = {p: loc + flat_scale[p] * jax.random.normal(kk, loc.shape)
+            sample = {p: loc + flat_scale[p] * flat_random.normal(kk, loc.shape)
                       for (p, loc), kk in zip(flat_loc.items(), keys)}
             return jax.nn.softmax(apply(traverse_util.unflatten_dict(sample), x), -1)
 
