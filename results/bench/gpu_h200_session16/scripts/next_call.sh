@@ -1,6 +1,7 @@
 #!/bin/bash
-# Prepared for the next session with a GPU (not yet run): one call, about 9 minutes (run it with timeout_s=600; the
-# parts run in order of priority, and what they wrote under $OUT comes back even if the call runs out of time).
+# Prepared for the next session with a GPU (not yet run): one call, about 9 minutes, 10-11 with part 6 (run it with
+# timeout_s=600; the parts run in order of priority, and what they wrote under $OUT comes back even if the call
+# runs out of time: part 6, a diagnosis, may be cut).
 # 1. The ResNet-20 compile at HEAD and at d833bca (before session 15's guide and replay) on one machine:
 #    separates the host from the code (session 16: 25.7 and 31.5 s on two H200 machines).
 # 2. FedAvg's factored dense update (the saved patch) and the same on large kernels only (on top of it)
@@ -22,6 +23,10 @@
 #    (session31_scanned_blocks/README.md). Land the patch, with scan_blocks=True as ResNet-20's default, if
 #    "scanned" compiles at least 10% faster than "unscanned" and both head runs of part 1 and its round is no more
 #    than 5% slower.
+# 6. (added in session 31, last: it only diagnoses) XLA's own timers for the ResNet-20 compile at HEAD, one more
+#    compile logged: on the CPU they showed that the random draws' threefry kernels took half of LLVM's time
+#    (session31_scanned_blocks/README.md); on the GPU the library uses JAX's threefry kernel, so what takes the
+#    20+ s there is unknown. xla_pass_times.py sums every timer by source line; the compressed log comes back too.
 # Session 30 checked the preparation at 7d73c0f (after the engine split): the three patches apply (meanfield.py's
 #   hunks at offsets of 13 and 23 lines), and on the CPU the trees run and agree with HEAD. v3's factored update,
 #   forced onto the CPU, matches the plain step: `PYTHONPATH=.gpu/v3 python $S/check_patches_cpu.py factored` gave 2.98e-08
@@ -31,7 +36,7 @@
 # Preparation, here, from the repository root (.gpu/ is in .git/info/exclude), then run with carry [".gpu"]:
 #   S=results/bench/gpu_h200_session16/scripts; rm -rf .gpu && mkdir -p .gpu/data .gpu/head .gpu/old .gpu/v2 .gpu/v3 .gpu/v4 .gpu/v5
 #   cp /usr/share/datasets/fashion-mnist/*.gz .gpu/data/; cp $S/ctime.py $S/next_call.sh .gpu/
-#   cp results/bench/session31_scanned_blocks/scripts/scan_probe.py .gpu/
+#   cp results/bench/session31_scanned_blocks/scripts/scan_probe.py results/bench/session31_scanned_blocks/scripts/xla_pass_times.py .gpu/
 #   cp results/bench/gpu_h100_targets/scripts/prof_round.py .gpu/
 #   git archive HEAD bfedjax experiments | tar -x -C .gpu/head; git archive d833bca bfedjax experiments | tar -x -C .gpu/old
 #   for v in v2 v3 v4; do git archive HEAD bfedjax experiments | tar -x -C .gpu/$v; done
@@ -62,3 +67,6 @@ echo "bench: $WIN" | tee -a $OUT/probes.txt
 grep "^| \(mlp\|fed\)\|ceiling\|torch.func" $OUT/bench/bench.md 2>/dev/null; date +%T
 (cd $G/head && PYTHONPATH=$PWD timeout 100 python3 -m experiments.bench_augment --rounds=5 2>&1 | grep "^|\|device" \
   | tee $OUT/augment.txt); date +%T
+VMOD=gpu_compiler=1,nvptx_compiler=1,hlo_pass_pipeline=1,compile_module_to_llvm_ir=1,gemm_fusion_autotuner=1,conv_algorithm_picker=1,autotuner_util=1,ptx_compiler_impl=1
+(cd $G/head && PYTHONPATH=$PWD TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=$VMOD timeout 120 python3 $G/ctime.py 2>&1 \
+  | tee >(gzip > $OUT/xla_timers.log.gz) | python3 $G/xla_pass_times.py 40 > $OUT/xla_timers.txt); date +%T

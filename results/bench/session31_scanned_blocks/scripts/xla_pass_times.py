@@ -6,7 +6,9 @@ code generation by fusion kind (thread time: kernels compile in parallel). From 
         | python results/bench/session31_scanned_blocks/scripts/xla_pass_times.py [TOP]
 
 Only the lines of the round's own compile count (from the first mention of ``jit_round_step`` to its
-``Compiling [jit_round_step]`` timer)."""
+``Compiling [jit_round_step]`` timer, or the end on a GPU). Every other timer XLA logged is summed too, by source
+line and label (numbers blanked): on a GPU (``gpu_compiler=1,nvptx_compiler=1,...`` in ``TF_CPP_VMODULE``) these
+are the ones to read."""
 import collections
 import re
 import sys
@@ -16,15 +18,21 @@ TIME = r"time: ([\d.]+) (us|ms|s|min)\b"
 PASS = re.compile(r"HLO pass: (\S+) " + TIME)
 KERNEL = re.compile(r"Compiled (LLVM|MLIR) module: (?:__compute_module_)?(\S+?)(?:\.\d+)?_kernel_module " + TIME)
 TOTAL = re.compile(r"(Compiling|Running HLO passes on) \[jit_round_step\].* " + TIME)
+ANY_TIMER = re.compile(r"(\w+\.cc):\d+\] (.*?) " + TIME)
 
 
 def main(top=10):
     passes, kernels, runs, totals = collections.Counter(), collections.Counter(), collections.Counter(), {}
+    timers, timer_runs = collections.Counter(), collections.Counter()
     inside = False
     for line in sys.stdin:
         inside = inside or "jit_round_step" in line
         if not inside:
             continue
+        if m := ANY_TIMER.search(line):
+            label = (m[1], re.sub(r"[\d.]+", "#", m[2])[:90])
+            timers[label] += float(m[3]) * UNITS[m[4]]
+            timer_runs[label] += 1
         if m := TOTAL.search(line):
             totals[m[1]] = float(m[2]) * UNITS[m[3]]
             if m[1] == "Compiling":
@@ -45,6 +53,9 @@ def main(top=10):
         for (b, kind), seconds in kernels.most_common():
             if b == backend and seconds >= 0.05 * total:
                 print(f"  {kind} x{runs[(b, kind)]}: {seconds:.1f} s")
+    print("every timer, by source and label (nested timers overlap):")
+    for (source, label), seconds in timers.most_common(top):
+        print(f"  {seconds:8.2f} s x{timer_runs[(source, label)]:<5d} {source}: {label}")
 
 
 if __name__ == "__main__":
