@@ -6,8 +6,8 @@ row-major index, so ``prod(shape)`` values drawn flat and reshaped are bitwise t
 client-vmapped 3x3 kernel ``[K, 3, 3, C_in, C_out]``, into a loop nest that LLVM takes seconds to compile,
 the same hash over one dimension in a fraction of that: one vmapped ``[10, 3, 3, 64, 64]`` normal compiled in
 2.25 s shaped and 0.30 s flat, at the same speed (``results/bench/session31_scanned_blocks/README.md``). Every
-draw inside the library's compiled rounds goes through here (NumPyro's Normal samples through
-``vi.flat_normal.FlatDrawNormal``). (With another PRNG implementation, such as
+draw the library's own code makes inside a round goes through here (NumPyro's Normal samples through
+``vi.flat_normal.FlatDrawNormal``; Flax's dropout masks stay Flax's). (With another PRNG implementation, such as
 ``rbg``, the flat draw is a different, equally valid stream.)
 """
 from __future__ import annotations
