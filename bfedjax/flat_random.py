@@ -5,7 +5,7 @@ row-major index, so ``prod(shape)`` values drawn flat and reshaped are bitwise t
 (``tests/test_flat_random.py``). XLA:CPU compiles the hash over a multi-dimensional shape, such as a
 client-vmapped 3x3 kernel ``[K, 3, 3, C_in, C_out]``, into a loop nest that LLVM takes seconds to compile,
 the same hash over one dimension in a fraction of that: one vmapped ``[10, 3, 3, 64, 64]`` normal compiled in
-2.25 s shaped and 0.30 s flat, at the same speed (``results/bench/session31_scanned_blocks/README.md``). Every
+2.29 s shaped and 0.26 s flat, at the same speed (``results/bench/session31_scanned_blocks/README.md``). Every
 draw the library's own code makes inside a round goes through here (NumPyro's Normal samples through
 ``vi.flat_normal.FlatDrawNormal``; Flax's dropout masks stay Flax's). (With another PRNG implementation, such as
 ``rbg``, the flat draw is a different, equally valid stream.)

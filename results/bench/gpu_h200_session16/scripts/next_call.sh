@@ -36,7 +36,7 @@
 # Preparation, here, from the repository root (.gpu/ is in .git/info/exclude), then run with carry [".gpu"]:
 #   S=results/bench/gpu_h200_session16/scripts; rm -rf .gpu && mkdir -p .gpu/data .gpu/head .gpu/old .gpu/v2 .gpu/v3 .gpu/v4 .gpu/v5
 #   cp /usr/share/datasets/fashion-mnist/*.gz .gpu/data/; cp $S/ctime.py $S/next_call.sh .gpu/
-#   cp results/bench/session31_scanned_blocks/scripts/scan_probe.py results/bench/session31_scanned_blocks/scripts/xla_pass_times.py .gpu/
+#   cp results/bench/session30_resnet_compile/scripts/compile_probe.py results/bench/session31_scanned_blocks/scripts/xla_pass_times.py .gpu/
 #   cp results/bench/gpu_h100_targets/scripts/prof_round.py .gpu/
 #   git archive HEAD bfedjax experiments | tar -x -C .gpu/head; git archive d833bca bfedjax experiments | tar -x -C .gpu/old
 #   for v in v2 v3 v4; do git archive HEAD bfedjax experiments | tar -x -C .gpu/$v; done
@@ -48,7 +48,7 @@
 export PYTHONUNBUFFERED=1 BFEDJAX_DATA_DIR=$PWD/.gpu/data
 G=$PWD/.gpu; nvidia-smi -L; lscpu | grep "Model name"; date +%T
 for c in head old head v4; do (cd $G/$c && PYTHONPATH=$PWD timeout 90 python3 $G/ctime.py 2>&1 | grep CTIME | sed "s/^/$c /"); done | tee $OUT/ctime.txt
-for v in scanned unscanned; do (cd $G/v5 && PYTHONPATH=$PWD:$G timeout 90 python3 $G/scan_probe.py $v 10 2>&1 | grep "^$v:" | sed "s/^/v5 /"); done | tee $OUT/scan.txt
+for v in scanned unscanned; do (cd $G/v5 && PYTHONPATH=$PWD:$G timeout 90 python3 $G/compile_probe.py $v 10 2>&1 | grep "^$v:" | sed "s/^/v5 /"); done | tee $OUT/scan.txt
 SPECS="100:fedavg:mlp:4 1000:fedavg:mlp:4 100:fedavg:fedreg_cnn:4"
 for c in head v2 v3; do (cd $G/$c && PYTHONPATH=$PWD NOPROF=1 timeout 90 python3 $G/prof_round.py $SPECS 2>&1 | grep TIME | sed "s/^/$c /"); done | tee $OUT/probes.txt
 date +%T
