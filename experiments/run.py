@@ -15,7 +15,9 @@ final predictive's reliability bins, accuracy vs retained data, per-client
 accuracy; ``python -m experiments.plot OUT_DIR`` draws them) into
 ``--output_dir``, with ``--tensorboard`` also TensorBoard event files in
 ``OUT_DIR/tensorboard``, and checkpoints every round there so a crashed run
-resumes where it stopped (``--noresume`` starts over).
+resumes where it stopped (``--noresume`` starts over). A folder whose checkpoints
+another command saved (other flags than ``RESUMABLE_FLAGS``: ``--rounds``, the
+layout, logging and evaluation) is not resumed: one line names what differs.
 
 A bad command line (a flag out of range, flags that conflict, missing data, an impossible partition)
 stops with one line on stderr, ``error: ...; fix: ...``, and exit status 2 (``experiments.errors``).
@@ -639,9 +641,25 @@ def main(argv):
             checkpoint_dir=checkpoints, on_round=log, init_server=init_server,
             hparams_fn=learning_rate_fn(), client_groups=run.client_groups,
             straggler_fraction=FLAGS.straggler_fraction, straggler_weighting=FLAGS.straggler_weighting,
-            round_fractions=round_fractions(), attack=run.attack, on_nonfinite=FLAGS.on_nonfinite)
+            round_fractions=round_fractions(), attack=run.attack, on_nonfinite=FLAGS.on_nonfinite,
+            checkpoint_identity={"flags": training_flags()})
         log.end_rounds(result.metrics)  # metrics.jsonl complete (restored rounds included), progress bar closed
         finish(run, result, log)
+
+
+# Flags a resumed run may change: they do not change what the saved rounds trained (how many rounds, where the files
+# go, the layout, what is logged or evaluated, where the same data is read from).
+RESUMABLE_FLAGS = frozenset({
+    "rounds", "output_dir", "resume", "tensorboard", "evaluate_local", "evaluate_every", "test_samples", "targets",
+    "clients_per_chunk", "cpu_devices", "compilation_cache_dir", "backend", "on_nonfinite", "data_dir",
+    "tfds_data_dir"})
+
+
+def training_flags() -> dict:
+    """This binary's and the algorithm flags' values except ``RESUMABLE_FLAGS``: with ``simulate``'s own checks,
+    a checkpoint saved under other values is not resumed (``checkpoint.DifferentRunError``)."""
+    return {f.name: f.value for module in (__name__, algorithm_flags.__name__)
+            for f in FLAGS.get_key_flags_for_module(sys.modules[module]) if f.name not in RESUMABLE_FLAGS}
 
 
 def use_cpu_cores() -> int:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import bfedjax as bf
-from bfedjax.checkpoint import RoundCheckpointer
+from bfedjax.checkpoint import DifferentRunError, RoundCheckpointer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -162,6 +162,54 @@ def test_restore_latest_skips_a_damaged_newest_checkpoint(tmp_path, caplog, how)
     ckpt.save(3, TINY, history + [{"round": 3}])  # orbax saves the set-aside round afresh
     assert ckpt.restore_latest(TINY)[0] == 3
     ckpt.close()
+
+
+def test_overwritten_array_bytes_fail_the_saved_checksum_and_are_set_aside(tmp_path, caplog):
+    """Bytes overwritten inside an array's data file, its size kept: orbax reads it without complaint (a new user
+    saw a resumed run stall on NaN), the checksum saved with the round does not match."""
+    state = {"w": jnp.arange(4000.0).reshape(40, 100), "b": jnp.ones(3)}
+    ckpt = RoundCheckpointer(str(tmp_path))
+    for r in (1, 2, 3):
+        ckpt.save(r, jax.tree.map(lambda x: x + r, state), [{"round": i} for i in range(1, r + 1)])
+    ckpt.close()
+    data = max((p for p in (tmp_path / "3" / "state").rglob("*") if p.is_file() and p.parent.name == "d"),
+               key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2:len(raw) // 2 + 200] = b"\x01" * 200
+    data.write_bytes(bytes(raw))
+    ckpt = RoundCheckpointer(str(tmp_path))
+    with caplog.at_level(logging.WARNING):
+        r, restored, _ = ckpt.restore_latest(state)
+    ckpt.close()
+    assert r == 2
+    chex.assert_trees_all_equal(restored, jax.tree.map(lambda x: x + 2, state))
+    [line] = _damage_lines(caplog)
+    assert "ValueError: its arrays differ from the checksum saved with them" in line, line
+
+
+def test_a_checkpoint_of_another_run_is_not_resumed_and_one_line_names_what_differs(digits, small_fed, tiny_model,
+                                                                                     tmp_path):
+    def run(lr=0.1, key=0, fed=small_fed, **identity):
+        return bf.simulate(bf.algorithms.fedavg(tiny_model, lr=lr, batch_size=16), fed, rounds=3,
+                           key=jax.random.PRNGKey(key), evaluate_local=False, checkpoint_dir=str(tmp_path),
+                           checkpoint_identity=identity or {"flags": {"partition": "dirichlet"}})
+
+    bf.simulate(bf.algorithms.fedavg(tiny_model, lr=0.1, batch_size=16), small_fed, rounds=2, key=jax.random.PRNGKey(0),
+                evaluate_local=False, checkpoint_dir=str(tmp_path), checkpoint_identity={"flags": {"partition": "dirichlet"}})
+    parts = bf.data.partition(digits.y_train[:500], "dirichlet_per_class", 5, seed=1, alpha=0.5)  # small_fed: seed 0
+    other_split = bf.data.stack_clients(digits.x_train[:500], digits.y_train[:500], parts, x_test=digits.x_test,
+                                        y_test=digits.y_test, num_classes=10, name="digits")
+    for changed, differs in [(dict(lr=0.2), "lr 0.2 (saved: 0.1)"), (dict(key=1), "initial_state (another checksum), key (another checksum);"),
+                             (dict(fed=other_split), "data (another checksum)"),
+                             (dict(flags={"partition": "iid"}), "partition iid (saved: dirichlet)")]:
+        with pytest.raises(DifferentRunError) as err:
+            run(**changed)
+        message = str(err.value)
+        assert message.startswith(f"the checkpoint in {tmp_path} (round 2) was saved by another run, which differs "
+                                  f"in {differs}") and message.endswith("or start over with --noresume"), message
+        assert "\n" not in message
+    assert sorted(os.listdir(tmp_path)) == ["1", "2"]  # another run's folder: nothing set aside
+    assert run().metrics["round"] == [1, 2, 3]  # the same run resumes
 
 
 def test_a_save_cut_short_by_a_kill_is_ignored(tmp_path, caplog):

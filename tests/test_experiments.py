@@ -33,8 +33,13 @@ def test_run_writes_metrics_and_resumes(tmp_path):
     assert "round    1  GA" in out.stdout and "round    2  GA" in out.stdout
     first = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in first] == [1, 2]
-    # Asking for 3 rounds in the same folder resumes after round 2.
-    out = _run(*SMALL, "--algorithm=fola", "--rounds=3", f"--output_dir={tmp_path}")
+    # Another command's folder is not resumed: one line names the flag that differs, and nothing is touched.
+    other = _run(*SMALL, "--algorithm=fola", "--rounds=3", "--lam=5", f"--output_dir={tmp_path}", check=False)
+    assert other.returncode == 2 and "Traceback" not in other.stderr
+    assert re.fullmatch(r"error: the checkpoint in \S+ \(round 2\) was saved by another run, which differs in "
+                        r"lam 5\.0 \(saved: unset\); fix: a new --output_dir .*\n", other.stderr), other.stderr
+    # Asking for 3 rounds in the same folder resumes after round 2, in another layout too.
+    out = _run(*SMALL, "--algorithm=fola", "--rounds=3", "--clients_per_chunk=1", f"--output_dir={tmp_path}")
     assert "round    1  GA" not in out.stdout and "round    3  GA" in out.stdout
     again = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["global_accuracy"] for r in again[:2]] == [r["global_accuracy"] for r in first]

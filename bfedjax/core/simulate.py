@@ -120,6 +120,23 @@ def cohort_size(num_clients: int, clients_per_round: int | None = None, particip
     return clients_per_round or num_clients
 
 
+def run_identity(algorithm: Algorithm, key: jax.Array, arrays: RoundArrays, initial_state, config: RoundConfig,
+                 participation: float | None = None, extra: dict | None = None) -> dict:
+    """What a checkpoint must have been saved by to be resumed (``checkpoint.RoundCheckpointer``): the algorithm's
+    name, hyper-parameters, epochs and batch size, the run key, a fingerprint of the round arrays (data, weights,
+    attackers; ``checkpoint.tree_digest`` of about 2^16 values a leaf), the initial state's checksum (model,
+    init), the cohort and the round options that change training, and ``extra`` (e.g. a binary's flags)."""
+    from bfedjax.checkpoint import tree_digest
+    return {"algorithm": algorithm.name, "local_epochs": algorithm.local_epochs, "batch_size": algorithm.batch_size,
+            "hparams": {name: np.asarray(value).tolist() for name, value in (algorithm.hparams or {}).items()},
+            "key": tree_digest(key), "data": tree_digest(arrays, max_values=1 << 16),
+            "initial_state": tree_digest(initial_state), "clients_per_round": config.clients_per_round,
+            "participation": participation, "stragglers": [config.straggler_fraction, config.straggler_weighting],
+            "round_fractions": config.round_fractions, "attack": repr(config.attack),
+            "client_groups": None if config.client_groups is None else list(config.client_groups),
+            **({"settings": extra} if extra else {})}
+
+
 def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_per_round: int | None = None,
              participation: float | None = None,
              clients_per_chunk: int | str | None = layout.AUTO, backend: str = "vmap", client_weights=None,
@@ -129,7 +146,7 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
              straggler_weighting: str = "unchanged", attack: Attack | None = None, on_nonfinite: str = "drop",
              round_fractions: Sequence[float] | None = None, on_round: Callable[[dict], None] | None = None,
              stop_when: Callable[[list[dict]], bool] | None = None,
-             client_devices: int | str = layout.AUTO) -> SimulationResult:
+             client_devices: int | str = layout.AUTO, checkpoint_identity: dict | None = None) -> SimulationResult:
     """Runs ``rounds`` federated rounds.
 
     Args:
@@ -158,7 +175,13 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
         decision 17).
       init_params: initial model parameters (default: ``algorithm.init_params``).
       init_server: a whole initial server state (e.g. from ``pretrain``), overriding ``init_params``.
-      checkpoint_dir: save after every round and resume from the latest save.
+      checkpoint_dir: save after every round and resume from the latest save. A save of another run is not
+        resumed (``checkpoint.DifferentRunError``, naming what differs): each save records the run's identity,
+        ``run_identity``'s algorithm, hyper-parameters, key, data fingerprint and initial state's checksum
+        plus ``checkpoint_identity``.
+      checkpoint_identity: JSON-able settings that also identify the run (``experiments.run`` passes its flags,
+        which name options a closure holds, e.g. FOLA's Fisher estimator); ``rounds`` and the layout may change
+        between a run and its resume.
       mesh: a ``jax.sharding.Mesh`` with axis ``'clients'`` (``core.sharding.client_mesh()``):
         clients are sharded over its devices, the server state is replicated.
       client_groups: ``[N]`` architecture group of each client (``0..algorithm.num_groups - 1``;
@@ -232,7 +255,8 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
     checkpointer = None
     if checkpoint_dir:
         from bfedjax.checkpoint import RoundCheckpointer
-        checkpointer = RoundCheckpointer(checkpoint_dir)
+        checkpointer = RoundCheckpointer(checkpoint_dir, run_identity=run_identity(
+            algorithm, key, host_arrays, state, config, participation, checkpoint_identity))
         last = checkpointer.latest_round()
         if last is not None and last > rounds:
             raise ValueError(f"the checkpoint in {checkpoint_dir} is at round {last} > rounds={rounds}; "
