@@ -27,6 +27,20 @@ def x64():
         yield
 
 
+def test_linear_pool_variance_in_float32_with_variances_far_below_the_squared_means():
+    """Eq. 14 as the spread about the pooled mean: the second moment minus mean^2 cancelled in float32 here (a
+    tenth of the coordinates came out <= 0, and their scales NaN)."""
+    rng = np.random.default_rng(0)
+    means = (0.7 + 1e-4 * rng.normal(size=(10, 1000))).astype(np.float32)
+    scales = np.full((10, 1000), 1e-4, np.float32)
+    w = rng.dirichlet(np.ones(10)).astype(np.float32)
+    got = var(P.linear_pool(DiagGaussian(jnp.asarray(means), jnp.asarray(1.0 / scales ** 2)), jnp.asarray(w)))
+    assert got.dtype == jnp.float32
+    m64, w64 = means.astype(np.float64), w.astype(np.float64) / w.astype(np.float64).sum()
+    want = w64 @ (np.square(scales.astype(np.float64)) + np.square(m64 - w64 @ m64))
+    np.testing.assert_allclose(got, want, rtol=1e-3)
+
+
 def test_shared_means_and_variance_ordering():
     q, w = _clients(0)
     nwa, ws, lp = P.nwa(q, w), P.weighted_sum_of_normals(q, w), P.linear_pool(q, w)

@@ -1,4 +1,5 @@
 """FedAvg / FedProx / FedCurv / FOLA identities (FOLA spec section 8, items 10-14)."""
+import dataclasses
 from unittest import mock
 
 import chex
@@ -49,8 +50,9 @@ def test_fola_with_equal_precisions_is_fedavg(small_fed, tiny_model, tiny_params
     chex.assert_trees_all_close(avg_msgs["params"], fola_msgs["params"], rtol=1e-6)
     fola_msgs["precision"] = jax.tree.map(lambda p: jnp.full_like(p, 2.5), fola_msgs["precision"])
     w, mask, key = jnp.asarray(small_fed.weights), jnp.ones(small_fed.num_clients), jax.random.PRNGKey(0)
-    chex.assert_trees_all_close(fola.aggregate(None, fola_msgs, w, mask, None, key)[0]["params"],
-                                avg.aggregate(None, avg_msgs, w, mask, None, key)[0]["params"], rtol=1e-5, atol=1e-7)
+    chex.assert_trees_all_close(
+        fola.aggregate(fola.server_init(tiny_params), fola_msgs, w, mask, traced_hparams(fola, 1), key)[0]["params"],
+        avg.aggregate(server, avg_msgs, w, mask, traced_hparams(avg, 1), key)[0]["params"], rtol=1e-5, atol=1e-7)
 
 
 def test_fola_round_one_differs_from_fedavg_only_through_aggregation(small_fed, tiny_model, tiny_params):
@@ -271,18 +273,39 @@ def test_fedcurv_leave_one_out_bookkeeping(small_fed, tiny_model, tiny_params):
                                 rtol=1e-5, atol=1e-10)
 
 
-def test_fola_reports_precision_diagnostics(small_fed, tiny_model, tiny_params):
-    res = bf.simulate(bf.algorithms.fola(tiny_model, lr=0.1, lam=1.0, batch_size=16), small_fed, rounds=1,
+def test_fola_reports_precision_diagnostics_of_the_global_precision(small_fed, tiny_model, tiny_params):
+    """Spec section 7: of Lambda_S, which the default running sum omega_S holds times r after round r."""
+    res = bf.simulate(bf.algorithms.fola(tiny_model, lr=0.1, lam=1.0, batch_size=16), small_fed, rounds=2,
                       key=jax.random.PRNGKey(0), init_params=tiny_params, evaluate_local=False)
-    precision = np.concatenate([np.ravel(p) for p in jax.tree.leaves(res.state.server["precision"])])
-    np.testing.assert_allclose(res.metrics["precision_median"][0], np.median(precision), rtol=1e-5)
-    np.testing.assert_allclose(res.metrics["precision_below_eps"][0], np.mean(precision < 1e-5), rtol=1e-5)
+    global_precision = np.concatenate([np.ravel(p) for p in jax.tree.leaves(res.state.server["precision"])]) / 2
+    np.testing.assert_allclose(res.metrics["precision_median"][-1], np.median(global_precision), rtol=1e-5)
+    np.testing.assert_allclose(res.metrics["precision_below_eps"][-1], np.mean(global_precision < 1e-5), rtol=1e-5)
+
+
+def test_fola_paper_profile_defaults_lambda_to_its_grid_and_eps0_keeps_uninformed_means(small_fed, tiny_model,
+                                                                                       tiny_params):
+    """Spec D9: the per-sample Fisher's lambda grid is {1, 10, 100} (the code's 1e3 diverged: GA 0.10 from round 2);
+    D4: with eps = 0 a coordinate no client has curvature for (here the weights of an input pixel set to 0) was
+    0 / 0, NaN, and every client was dropped as non-finite from the next round on."""
+    assert bf.algorithms.fola(tiny_model, profile="paper").hparams["lam"] == 1.0
+    assert bf.algorithms.fola(tiny_model).hparams["lam"] == 1e3
+    assert bf.algorithms.fola(tiny_model, profile="paper", lam=10.0).hparams["lam"] == 10.0
+    x = np.array(small_fed.x)
+    x[:, :, 0, 0, :] = 0.0  # input 0 of the flattened 8x8 image
+    fed = dataclasses.replace(small_fed, x=x)
+    res = bf.simulate(bf.algorithms.fola(tiny_model, lr=0.1, batch_size=16, profile="paper"), fed, rounds=2,
+                      key=jax.random.PRNGKey(0), init_params=tiny_params, evaluate_local=False)
+    kernel, precision = res.state.server["params"]["Dense_0"]["kernel"], res.state.server["precision"]["Dense_0"]["kernel"]
+    assert np.all(np.asarray(precision[0]) == 0) and np.all(np.asarray(precision[1:]) > 0)
+    np.testing.assert_array_equal(kernel[0], tiny_params["Dense_0"]["kernel"][0])
+    assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(res.state.server))
+    assert res.metrics["nonfinite_clients"] == [0.0, 0.0]
 
 
 def test_bad_options_are_rejected(tiny_model):
     with pytest.raises(ValueError, match="fisher"):
         bf.algorithms.fola(tiny_model, fisher="exact")
-    with pytest.raises(ValueError, match="unknown FOLA options"):
+    with pytest.raises(ValueError, match=r"unknown FOLA options \['lamda'\]; valid: \['lr', 'lam', "):
         bf.algorithms.fola(tiny_model, lamda=1.0)
     with pytest.raises(ValueError, match="variant"):
         bf.algorithms.fedcurv(tiny_model, variant="shoham")

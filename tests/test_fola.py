@@ -86,7 +86,8 @@ def test_fixed_pi_errors_name_the_fix(tiny_model):
     stats = ({"w": jnp.ones(2)}, {"w": jnp.ones(2)})
     with pytest.raises(ValueError, match="needs hparams\\['cohort_weight'\\].*fix: aggregate through the engine"):
         algo.server_from_stats(None, stats, jnp.ones(2), {"round": jnp.int32(1)}, None)
-    server, _ = algo.server_from_stats(None, stats, jnp.ones(2), {"cohort_weight": jnp.float32(0.25)}, None)
+    server, _ = algo.server_from_stats({"params": {"w": jnp.zeros(2)}}, stats, jnp.ones(2),
+                                       {"cohort_weight": jnp.float32(0.25), "round": jnp.int32(1)}, None)
     np.testing.assert_allclose(server["precision"]["w"], 0.25)
 
 

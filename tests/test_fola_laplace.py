@@ -147,7 +147,7 @@ def test_full_fola_sends_the_mean_loss_hessian_and_the_server_solves_the_product
         messages.append(message)
     w = np.array([0.51, 0.49])
     stats = jax.tree.map(lambda *s: sum(wi * si for wi, si in zip(w, s)), *[algo.client_stats(m) for m in messages])
-    new, metrics = algo.server_from_stats(server, stats, jnp.ones(2), {}, None)
+    new, metrics = algo.server_from_stats(server, stats, jnp.ones(2), {"round": jnp.int32(1)}, None)
     thetas = [np.asarray(ravel_pytree(m["params"])[0], np.float64) for m in messages]
     lams = [np.asarray(m["precision"], np.float64) for m in messages]
     lam = w[0] * lams[0] + w[1] * lams[1]

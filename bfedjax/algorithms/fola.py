@@ -34,11 +34,13 @@ precision_mode         "running_sum": omega_n = omega_S + F, prior precision ome
                        prior precision Lambda_S (Eq. 25)
 offline_fisher_estimator  the estimator of the "offline" Fisher pass
 damping                delta added to F (Eq. 20; to the Hessian's diagonal for "full")
-eps                    product denominator guard (code 1e-5; paper 0)
+eps                    product denominator guard (code 1e-5; paper 0: a coordinate whose
+                       aggregated precision is 0 then keeps the server's mean)
 gamma                  extra prior precision added every round (gamma I for "full")
 prior_grad             False reproduces the released code (prior detached)
 clip_norm              global-norm clip of the total gradient (code 10)
-lam                    traced hyper-parameter; 0 gives "aggregation only"
+lam                    traced hyper-parameter; 0 gives "aggregation only"; by default 1e3
+                       (1 with profile "paper": ``PROFILE_LAM``)
 
 prune_p                parameter compression (the authors' ``--pruing_p``, off by default): each
                        client keeps the top ``prune_p`` fraction of every tensor's precision and
@@ -54,7 +56,8 @@ fixed_pi               weights under partial participation (spec D23): False (th
 
 precision_diagnostics  report the spec's precision diagnostics (section 7) as server
                        metrics every round: ``precision_below_eps``, the share of
-                       coordinates with Lambda_S < eps, and ``precision_median`` (one
+                       coordinates with Lambda_S < eps (Lambda_S = omega_S / r with the
+                       running sum), and ``precision_median`` (one
                        counting pass over every parameter per key bit, ``order_statistics.median``;
                        False skips both)
 
@@ -187,14 +190,34 @@ def with_diagonal_added(precision, value: float, cfg: FolaConfig):
     return jax.tree.map(lambda w: w + value, precision)
 
 
-def fola(model, *, lr: float = 0.01, lam: float = 1e3, local_epochs: int = 1, batch_size: int = 32,
+# lambda of Eq. 16 when not given (spec D9): the code's 1e3 with its batch-mean Fisher; the paper's per-sample
+# Fisher is about B times larger, and the spec's grid for it is {1, 10, 100} (1e3 diverges there).
+PROFILE_LAM = {"default": 1e3, "authors_code": 1e3, "paper": 1.0}
+
+
+def fola(model, *, lr: float = 0.01, lam: float | None = None, local_epochs: int = 1, batch_size: int = 32,
          profile: str = "default", **options) -> Algorithm:
-    """Builds FOLA. ``options`` are ``FolaConfig`` fields overriding ``profile``."""
+    """Builds FOLA (module docstring: the equations and every option).
+
+    Args:
+      model: a Flax classifier (``bfedjax.models.get_model``).
+      lr: local SGD learning rate (traced: ``hparams["lr"]``).
+      lam: lambda, the weight of the global-posterior prior in the local loss (Eq. 16; traced; 0 gives
+        "aggregation only"); ``None``: ``PROFILE_LAM[profile]`` (1e3; 1 for ``"paper"``).
+      local_epochs, batch_size: E and B of local training.
+      profile: ``"default"``, ``"authors_code"`` or ``"paper"`` (``PROFILES``).
+      **options: ``FolaConfig`` fields (``fisher``, ``laplace``, ``eps``, ``clip_norm``, ...) overriding the profile.
+    Returns:
+      an ``Algorithm``; its message is ``{"params", "precision"}`` (pytrees of the model's shapes; ``[d, d]``
+      precision for ``laplace="full"``), and so is its server state.
+    """
     if profile not in PROFILES:
         raise ValueError(f"FOLA profile={profile!r}; choose one of {tuple(PROFILES)}")
     unknown = set(options) - {f.name for f in dataclasses.fields(FolaConfig)}
     if unknown:
-        raise ValueError(f"unknown FOLA options {sorted(unknown)}; valid: {[f.name for f in dataclasses.fields(FolaConfig)]}")
+        valid = ["lr", "lam", "local_epochs", "batch_size", "profile"] + [f.name for f in dataclasses.fields(FolaConfig)]
+        raise ValueError(f"unknown FOLA options {sorted(unknown)}; valid: {valid}")
+    lam = PROFILE_LAM[profile] if lam is None else lam
     cfg = dataclasses.replace(PROFILES[profile], **options)
     hessian_based, dense = cfg.laplace != "diagonal_fisher", cfg.laplace == "full"
     online = None if cfg.fisher == "offline" else HESSIAN if hessian_based else cfg.fisher
@@ -267,9 +290,19 @@ def fola(model, *, lr: float = 0.01, lam: float = 1e3, local_epochs: int = 1, ba
             params = ravel_pytree(server["params"])[1](mean)
         else:
             posterior = gaussian_product_from_stats(stats, cfg.eps)
-            params, precision = posterior.mean, posterior.precision
-        metrics = precision_diagnostics(precision) if cfg.precision_diagnostics else {}
+            precision = posterior.precision
+            # With eps = 0 (the paper) a coordinate no client has curvature for is 0 / 0: it keeps its mean.
+            params = jax.tree.map(lambda m, p, old: jnp.where(p + cfg.eps > 0, m, old), posterior.mean, precision,
+                                  server["params"])
+        metrics = precision_diagnostics(global_precision(precision, hparams)) if cfg.precision_diagnostics else {}
         return {"params": params, "precision": precision}, metrics
+
+    def global_precision(precision, hparams):
+        """Lambda_S of the spec's diagnostics: the running sum omega_S (``precision_mode="running_sum"``) is
+        r Lambda_S after round r (Eq. 25); the running average is Lambda_S itself."""
+        if not (accumulates(cfg) and cfg.precision_mode == "running_sum"):
+            return precision
+        return jax.tree.map(lambda w: w / hparams["round"].astype(w.dtype), precision)
 
     def scaled_to_fixed_pi(stats, hparams):
         if COHORT_WEIGHT not in (hparams or {}):
@@ -279,7 +312,7 @@ def fola(model, *, lr: float = 0.01, lam: float = 1e3, local_epochs: int = 1, ba
         return jax.tree.map(lambda s: s * jnp.asarray(share, s.dtype), stats)
 
     def precision_diagnostics(precision):
-        """Spec section 7: share of coordinates with Lambda_S < eps and the median Lambda_S (for a full
+        """Spec section 7: share of coordinates with ``precision`` (Lambda_S) < eps and its median (for a full
         matrix, of its diagonal: each coordinate's own precision)."""
         flat = jnp.diagonal(precision) if dense else jnp.concatenate([p.ravel() for p in jax.tree.leaves(precision)])
         return {"precision_below_eps": jnp.mean(flat < max(cfg.eps, 1e-30)),

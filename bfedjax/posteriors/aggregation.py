@@ -112,13 +112,14 @@ def moment_matched_mixture(stacked: DiagGaussian, weights: jax.Array) -> DiagGau
     """Moment-matched collapse of the mixture ``sum_c w_c N(mean_c, 1/precision_c)`` (FOLA Eqs. 5-7, diagonal).
 
     mean = sum_c w_c mean_c
-    var  = sum_c w_c (1/precision_c + mean_c^2) - mean^2
-    Weights are normalised to sum to one first.
+    var  = sum_c w_c (1/precision_c + (mean_c - mean)^2)
+    Weights are normalised to sum to one first. The spread about ``mean`` rather than the second moment
+    minus ``mean^2``: in float32 the difference cancels where the variances are far below ``mean^2`` (10
+    clients at mean 0.7 and scale 1e-4 gave a tenth of the coordinates a variance <= 0).
     """
     w = weights / jnp.sum(weights)
     mean = weighted_sum(stacked.mean, w)
-    second = jax.tree.map(lambda v, m: v + jnp.square(m), _variance(stacked, w), stacked.mean)
-    var = jax.tree.map(lambda s, m: weighted_sum(s, w) - jnp.square(m), second, mean)
+    var = jax.tree.map(lambda v, m, g: weighted_sum(v + jnp.square(m - g), w), _variance(stacked, w), stacked.mean, mean)
     return DiagGaussian(mean, jax.tree.map(lambda v: 1.0 / v, var))
 
 
