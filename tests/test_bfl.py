@@ -7,7 +7,7 @@ import numpyro
 import pytest
 
 import bfedjax as bf
-from bfedjax.core import RoundConfig, init_state, make_round_step
+from bfedjax.core import ClientContext, ClientData, RoundConfig, init_state, make_round_step
 from bfedjax.core.simulate import round_arrays, traced_hparams
 from bfedjax.metrics import uncertainty
 from bfedjax.algorithms.bfl import kl_weight
@@ -254,6 +254,19 @@ def test_sgd_clients_step_along_the_elbo_gradient(vi_model):
     np.testing.assert_allclose(vi.svi.get_params(new)[name], params[name] - 0.05 * grad, rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="optimizer"):
         bf.vi.MeanFieldConfig(optimizer="rmsprop")
+
+
+@pytest.mark.parametrize("optimizer, factor", [("sgd", 1 / 40), ("adam", 1.0)])
+def test_bfl_clients_step_on_the_per_sample_loss(vi_model, optimizer, factor):
+    """Spec D5: the loss is mean CE + KL / |D_k|, 1 / |D_k| times SVI's negative ELBO; SGD's step (the test above:
+    -lr times the gradient of SVI's loss) is lr / |D_k|, Adam's (blind to the factor) lr."""
+    algo = bf.algorithms.bfl(vi_model, (8, 8, 1), lr=0.05, optimizer=optimizer)
+    x, y = jnp.zeros((64, 8, 8, 1)), jnp.zeros(64, jnp.int32)
+    server = algo.server_init(algo.init_params(jax.random.PRNGKey(0), (8, 8, 1)))
+    ctx = ClientContext(server, (), ClientData(x, y, jnp.int32(40)), {"lr": jnp.float32(0.05), "round": jnp.int32(1),
+                                                                      "kl_beta": jnp.float32(1.0)})
+    state = algo.client_init(ctx, jax.random.PRNGKey(1))
+    np.testing.assert_allclose(state.optim_state[1][1].hyperparams["learning_rate"], 0.05 * factor, rtol=1e-6)
 
 
 def test_tempered_prior_is_the_normalised_product():

@@ -20,9 +20,9 @@ def _params(seed):
     return bf.models.init_params(MODEL, SHAPE, jax.random.PRNGKey(seed))
 
 
-def _run_server(algo, aggregates, losses=None, lr=0.1):
+def _run_server(algo, aggregates, losses=None, lr=0.1, init=None):
     """Feeds the server one cohort per round whose weighted mean is ``aggregates[r]``; returns the broadcasts."""
-    server = algo.server_init(_params(100))
+    server = algo.server_init(_params(100) if init is None else init)
     weights, mask = jnp.full((C,), 1.0 / C), jnp.ones(C)
     out = []
     for r, agg in enumerate(aggregates):
@@ -129,6 +129,19 @@ def test_code_variant_is_a_per_tensor_scalar_shift(fix_ref_delta, reference, lam
         expected = -lr * (s + lam * np.linalg.norm(a - a_prev) + lam2 * np.linalg.norm(d_ref))
         np.testing.assert_allclose(shift.flat[0], expected, rtol=1e-4, atol=1e-6)
     assert out[r][1]["fedref_shift"] == pytest.approx(s, rel=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["code", "map_prox"])
+def test_the_server_step_leaves_batchnorm_statistics_as_aggregated(variant):
+    """Spec 2.3: the shift is per trainable tensor; the authors never shift buffers, and a scalar shift of
+    BatchNorm's running variance (MobileNetV3, ResNet-20) could drive it negative."""
+    model = bf.models.get_model("resnet20", 10)
+    aggs = [bf.models.init_params(model, (8, 8, 3), jax.random.PRNGKey(i)) for i in range(4)]
+    aggs = [{**a, "batch_stats": jax.tree.map(lambda x: x + 0.1 * i, a["batch_stats"])} for i, a in enumerate(aggs)]
+    algo = bf.algorithms.fedref(model, variant=variant, lam=0.3, p=2)
+    (server, _), = _run_server(algo, aggs, [[3.0 - r, 1.0, 2.0] for r in range(4)], init=aggs[0])[-1:]
+    chex.assert_trees_all_equal(server["params"]["batch_stats"], aggs[-1]["batch_stats"])
+    assert not np.allclose(_flat(server["params"]["params"]), _flat(aggs[-1]["params"]), atol=1e-4)
 
 
 def test_code_variant_limits():

@@ -281,6 +281,8 @@ def test_hbfl_server_limits_and_invariances(tiny_model):
     # identity 6: Sigma_g = 1 / sum q_k lambda_k; equal sigma and q summing to 1 -> sigma^2
     np.testing.assert_allclose(out["scale"]["w"] ** 2, 1.0 / (q @ (1.0 / scales["w"] ** 2)), rtol=1e-5)
     np.testing.assert_allclose(_server(algo, means, same, q)["scale"]["w"], 0.05, rtol=1e-5)
+    # ... and with q_k = 1 (weighting="equal", Decision 9) sigma^2 / N
+    np.testing.assert_allclose(_server(equal, means, same, q)["scale"]["w"], 0.05 / np.sqrt(4), rtol=1e-5)
 
 
 def test_meme_stationary_variance_is_t_over_h():

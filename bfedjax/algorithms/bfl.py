@@ -85,7 +85,8 @@ def bfl(model, input_shape, *, rule: str = "wc", weighting: str = "by_size", pri
       prior_scale, init_scale, variational_biases, train_samples, test_samples, gradient_estimator: the
         variational clients' ``vi.MeanFieldConfig``; ``lr`` is their optimiser's step.
       optimizer, momentum: the clients' optimiser (spec D7): ``"adam"`` (default) or ``"sgd"`` with
-        heavy-ball ``momentum``; its state starts afresh every round.
+        heavy-ball ``momentum``; its state starts afresh every round. Both step on spec D5's per-sample
+        loss, mean CE + KL / |D_k| (SGD: ``lr / |D_k|`` on SVI's whole-data negative ELBO).
       scale_min: the floor of the aggregated posterior scale (spec D2; ``SCALE_MIN`` = 1e-6); the
         ``scale_floor_hits`` metric counts the weights raised to it.
       init_loc, init_loc_std: the initial posterior mean (``vi.MeanFieldConfig``, spec D4), which the
@@ -143,9 +144,13 @@ def bfl(model, input_shape, *, rule: str = "wc", weighting: str = "by_size", pri
     def client_init(ctx, key):
         d = ctx.data
         rows = min(batch_size, d.y.shape[0])
-        state = vi.init_svi_state(key, d.x[:rows], d.y[:rows], d.count.astype(jnp.float32), ctx.server,
+        count = d.count.astype(jnp.float32)
+        state = vi.init_svi_state(key, d.x[:rows], d.y[:rows], count, ctx.server,
                                   *prior_args(ctx.server), kl_weight=client_kl_weight(ctx))
-        return vi.with_learning_rate(state, ctx.hparams["lr"])  # traced: a schedule never recompiles
+        # SVI's loss is the negative ELBO of the client's whole data, |D_k| times spec D5's per-sample loss (mean CE
+        # + KL / |D_k|): Adam's steps do not see the factor, SGD's step is lr / |D_k| on it
+        lr = ctx.hparams["lr"] / jnp.maximum(count, 1.0) if optimizer == "sgd" else ctx.hparams["lr"]
+        return vi.with_learning_rate(state, lr)  # traced: a schedule never recompiles
 
     def client_step(state, batch, ctx, key):
         del key  # SVI carries its own per-client key

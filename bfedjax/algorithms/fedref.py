@@ -231,6 +231,8 @@ def with_reference_model(algorithm: Algorithm, *, loss_fn, variant: str = "code"
                           bug_divisor, fix_ref_delta, ref_through_A)
         warm = pushed <= warmup
         theta = jax.tree.map(lambda a, t: jnp.where(warm, a, t), agg, theta)
+        if isinstance(agg, dict) and "batch_stats" in agg:  # the authors shift trainable tensors only (spec 2.3)
+            theta = {**theta, "batch_stats": agg["batch_stats"]}
         if reference == "broadcast":  # the buffer holds what was broadcast
             ring = push(state["ring"], state["pushed"], theta)
             ref = mean_of(ring, filled)

@@ -102,7 +102,8 @@ def hbfl(model, *, input_shape: Sequence[int], local_models: Sequence | None = N
       teacher: the meme's predictions the local model learns from: at its ``"mean"`` weights,
         one ``"sample"``, or the ``"mc"`` average of ``teacher_samples`` (Decision 7).
       weighting: ``"by_size"`` q_k = n_k / n (the engine's client weights) or ``"equal"``
-        q_k = 1, the exact product of Eq. 3.10 (Decision 9).
+        q_k = 1, the exact product of Eq. 3.10 (Decision 9): the same mean as any equal weights, and
+        the global variance of N equal clients sigma^2 / N.
       mc_samples: reparameterised samples per meme step (1).
       nll: ``"sum"`` (the n_k / B scaled summed NLL, entropy weight T) or ``"mean"`` (batch-mean
         CE, entropy weight T / n_k) (Decision 1).
@@ -255,7 +256,7 @@ def hbfl(model, *, input_shape: Sequence[int], local_models: Sequence | None = N
 
     def server_update(server, messages, weights, mask, hparams, key):
         del server, hparams, key
-        q = weights if weighting == "by_size" else mask / jnp.maximum(jnp.sum(mask), 1.0)
+        q = weights if weighting == "by_size" else mask  # equal: q_k = 1 for every real client
         product = gaussian_product(DiagGaussian(messages["params"], jax.tree.map(precision_of, messages["scale"])), q)
         scale = product.scale
         leaves = jax.tree.leaves(scale)
