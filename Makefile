@@ -35,7 +35,8 @@ docs: install-dev
 # FOLA Sec. IV-E two-client experiment -> results/fola_iv_e_two_clients.md
 iv-e: install data
 	$(PYTHON) -m experiments.compare --flagfile=experiments/configs/fola_iv_e_two_clients.flags \
-	  --runs fedavg:--algorithm=fedavg fola_online:--algorithm=fola "fola_offline:--algorithm=fola --fisher=offline --lam=0" \
+	  --runs fedavg:--algorithm=fedavg fola_online:--algorithm=fola "fola_online_lam0:--algorithm=fola --lam=0" \
+	  "fola_offline:--algorithm=fola --fisher=offline --lam=0" \
 	  --output_dir=$(OUT)/iv_e --results_file=results/fola_iv_e_two_clients.md \
 	  --title="FOLA Sec. IV-E: two clients, disjoint class halves, pi_1=0.51"
 

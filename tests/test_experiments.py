@@ -499,15 +499,16 @@ def test_hbfl_report_pairs_runs_by_seed():
         hbfl_report.ablations(by, [0.1])[0]
 
 
-def test_hbfl_report_weighs_the_largest_client_by_size_twice():
-    """With precision proportional to n_k, q_k = n_k / n weighs client k by n_k^2, equal weights by n_k."""
+def test_hbfl_report_weighs_the_clients_by_q_when_the_precisions_are_equal():
+    """The table's memes upload about their initial precision (results/hbfl_meme_precision): the product's weights
+    are q_k, n_k / n or 1 / N."""
     from experiments import hbfl_report
-    assert hbfl_report.largest_client_weight([1, 1, 2], "by_size") == pytest.approx(4 / 6)
-    assert hbfl_report.largest_client_weight([1, 1, 2], "equal") == pytest.approx(0.5)
+    assert hbfl_report.largest_client_weight([1, 1, 2], "by_size") == pytest.approx(0.5)
+    assert hbfl_report.largest_client_weight([1, 1, 2], "equal") == pytest.approx(1 / 3)
     by = {(setting, "hbfl", 0.05): [_hbfl_record(setting, "hbfl", 0.05, 0, ga)]
           for setting, ga in (("hetero", 0.65), ("equal_q", 0.75))}
     rows = hbfl_report.client_size_table({(0.05, 0): [100, 300, 100], (0.05, 1): [5, 5]}, by, [0.05])
-    assert rows[2] == "| 0.05 | 0 | 300, 100, 100 | 0.82 | 0.60 | -0.1000 |"
+    assert rows[2] == "| 0.05 | 0 | 300, 100, 100 | 0.60 | 0.33 | -0.1000 |"
     assert rows[3] == "| 0.05 | 1 | 5, 5 | 0.50 | 0.50 | - |"
 
 
