@@ -55,6 +55,10 @@ def message(err: BaseException) -> str:
         return (f"{err.filename}: {err.strerror}; fix: check the path (an input must exist and be readable, "
                 "an output folder writable)")
     text = _collapse(str(err)) or type(err).__name__
+    if isinstance(err, flags.Error) and text.startswith("ERROR:: "):  # absl's own prefix (an unreadable --flagfile)
+        text = text[len("ERROR:: "):]
+    if isinstance(err, flags.Error) and "Unable to open flagfile" in text:
+        return f"{text}; fix: give the path of an existing flagfile (e.g. experiments/configs/fola_fmnist_demo.flags)"
     if isinstance(err, flags.Error) and not _names_fix(text):
         return f"{text}; fix: see --helpshort for the flags and their values"
     if not _names_fix(text) and not isinstance(err, app.UsageError):

@@ -76,7 +76,8 @@ class RoundLog:
         if self._sink is None:
             first = int(record["round"])
             if first > 1:  # simulate restored the rounds before it
-                self._say(f"resuming at round {first}: rounds 1-{first - 1} restored from the last checkpoint")
+                restored = "round 1" if first == 2 else f"rounds 1-{first - 1}"
+                self._say(f"resuming at round {first}: {restored} restored from the last checkpoint")
             self._sink = self._open_sink(first_round=first)
         self._sink.write(json.dumps(record) + "\n")
         self._sink.flush()

@@ -1,4 +1,6 @@
 """Mini-batch augmentation (Fischer et al.'s CIFAR-10 shifts and flips) and kernel weight decay."""
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -8,6 +10,7 @@ import pytest
 import bfedjax as bf
 from bfedjax.algorithms.local_sgd import make_sgd_client
 from bfedjax.core import ClientContext, ClientData
+from bfedjax.core.simulate import traced_hparams
 from bfedjax.core.types import Batch
 
 
@@ -114,6 +117,21 @@ def test_augmented_final_pass_reads_augmented_data(small_fed, tiny_model, tiny_p
     assert float(jnp.abs(metrics["x_seen"] - data.x).min()) > 0  # not the raw data
     chex.assert_trees_all_equal(metrics["y_seen"], data.y)
     chex.assert_trees_all_equal(message, spy.client_final(local.inner, ctx)[0])  # fedavg's message reads no data
+
+
+def test_fedregs_pseudo_and_perturbed_data_come_from_augmented_images(small_fed, tiny_model, tiny_params):
+    """FedReg spec 2.3: one pseudo / perturbed batch per mini-batch of a pass over the client's augmented loader
+    (they were built from the raw images, the same with and without --augment)."""
+    plain = bf.algorithms.fedreg(tiny_model, lr=0.1, batch_size=16, clamp="none")
+    shift = lambda x, key: x + 0.5  # noqa: E731 (a deterministic augmentation)
+    data = ClientData(jnp.asarray(small_fed.x[0]), jnp.asarray(small_fed.y[0]), jnp.int32(small_fed.counts[0]))
+    ctx = ClientContext({"params": tiny_params}, (), data, traced_hparams(plain, 1))
+    key = jax.random.PRNGKey(3)
+    local = bf.data.augmented(plain, shift).client_init(ctx, key)
+    moved = plain.client_init(dataclasses.replace(ctx, data=data._replace(x=data.x + 0.5)), key)
+    chex.assert_trees_all_close(local.inner.reg, moved.reg, rtol=1e-6, atol=1e-6)
+    raw = plain.client_init(ctx, key)
+    assert float(jnp.abs(local.inner.reg.perturbed_x - raw.reg.perturbed_x).max()) > 0.1
 
 
 def test_augmented_round_vmap_matches_sequential(small_fed, tiny_model, tiny_params):

@@ -329,6 +329,8 @@ def test_binaries_print_one_line_and_exit_2(tmp_path):
         (["experiments.run", "--dataset=fashion_mnist", f"--data_dir={tmp_path}/nowhere"],
          f"--data_dir {tmp_path}/nowhere does not exist; fix:"),
         (["experiments.hbfl_table", "--rounds=0"], "--rounds must be >= 1, e.g. --rounds=30"),
+        (["experiments.run", f"--flagfile={tmp_path}/none.flags"],
+         "error: Unable to open flagfile: [Errno 2] No such file or directory"),
         (["experiments.fedref_table", "--seeds=x"], "--seeds must be integer seeds >= 0, e.g. --seeds=0,1"),
         (["experiments.precision_table", "--seeds=x"], "--seeds must be non-negative integer seeds, e.g. --seeds=0"),
         (["experiments.run", "--compute_dtype=int8"], "--compute_dtype=int8: value should be one of <float32|bfloat16"),

@@ -206,6 +206,14 @@ def test_resumed_round_log_keeps_the_restored_rounds_records(tmp_path):
                             {"round": 3, "global_accuracy": 0.35}]
     assert screen.getvalue().splitlines() == [
         "resuming at round 3: rounds 1-2 restored from the last checkpoint (--noresume starts over)", "round 3"]
+    one = tmp_path / "one"
+    one.mkdir()
+    (one / "metrics.jsonl").write_text(old[0] + "\n")
+    screen = io.StringIO()
+    with RoundLog(str(one), 5, lambda r: f"round {r['round']}", stream=screen) as log:
+        log({"round": 2, "global_accuracy": 0.25})
+    assert screen.getvalue().splitlines()[0] == (
+        "resuming at round 2: round 1 restored from the last checkpoint (--noresume starts over)")
     screen = io.StringIO()
     with RoundLog(str(tmp_path), 5, lambda r: f"round {r['round']}", stream=screen):
         pass  # a run resumed with every round done records nothing: the file stays as it was

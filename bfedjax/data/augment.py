@@ -126,6 +126,7 @@ def augmentation(name: str, input_shape: tuple[int, ...], pixel_norm=None) -> Au
 
 
 _FINAL_KEY_SALT = 0x61756766  # folds a client's round key into the key of its final pass's augmentation
+_INIT_KEY_SALT = 0x61756769  # ... and into the key of the augmentation its client_init sees
 
 
 class AugmentedLocal(NamedTuple):
@@ -159,7 +160,10 @@ def _augment_in_batches(augment: AugmentFn, x: jax.Array, key: jax.Array, batch_
 
 def augmented(algorithm: Algorithm, augment: AugmentFn) -> Algorithm:
     """``algorithm`` whose every local step first augments ``batch.x`` (padded rows stay masked), and whose
-    ``client_final`` sees the client's data augmented once (one fresh draw per round).
+    ``client_init`` and ``client_final`` each see the client's data augmented once (a fresh draw each, per round).
+
+    The initial pass reads ``ctx.data`` where an algorithm prepares data before its steps: FedReg builds its
+    pseudo and perturbed batches there, from a pass over the authors' augmenting loader (FedReg spec 2.3).
 
     The final pass reads ``ctx.data``: offline curvature (FOLA's ``fisher="offline"``, FedCurv's
     Fisher), SCAFFOLD option I's control variate, FedRef's client loss (which its server step uses)
@@ -173,15 +177,20 @@ def augmented(algorithm: Algorithm, augment: AugmentFn) -> Algorithm:
     """
     inner_init, inner_step, inner_final = algorithm.client_init, algorithm.client_step, algorithm.client_final
 
+    def seen(ctx, key):
+        """``ctx`` with the client's data augmented once, ``algorithm.batch_size`` rows at a time."""
+        x = _augment_in_batches(augment, ctx.data.x, key, algorithm.batch_size)
+        return dataclasses.replace(ctx, data=ctx.data._replace(x=x))
+
     def client_init(ctx, key):
-        return AugmentedLocal(inner_init(ctx, key), jax.random.fold_in(key, _FINAL_KEY_SALT))
+        inner = inner_init(seen(ctx, jax.random.fold_in(key, _INIT_KEY_SALT)), key)  # unread data: jit drops it
+        return AugmentedLocal(inner, jax.random.fold_in(key, _FINAL_KEY_SALT))
 
     def client_step(local, batch, ctx, key):
         k_augment, k_step = jax.random.split(key)
         return local._replace(inner=inner_step(local.inner, batch._replace(x=augment(batch.x, k_augment)), ctx, k_step))
 
     def client_final(local, ctx):
-        x = _augment_in_batches(augment, ctx.data.x, local.final_key, algorithm.batch_size)
-        return inner_final(local.inner, dataclasses.replace(ctx, data=ctx.data._replace(x=x)))
+        return inner_final(local.inner, seen(ctx, local.final_key))
 
     return algorithm.replace(client_init=client_init, client_step=client_step, client_final=client_final)
