@@ -110,3 +110,21 @@ def client_size_table(sizes, by, alphas) -> list[str]:
             lines.append(f"| {alpha:g} | {seed} | {', '.join(str(int(k)) for k in sorted(n, reverse=True))} | "
                          f"{largest_client_weight(n, 'by_size'):.2f} | {largest_client_weight(n, 'equal'):.2f} | {gap} |")
     return lines
+
+
+def rounds_to_fedavg_fraction(by, cells, alphas, fraction: float = 0.9) -> list[str]:
+    """Markdown rows: for each ``(setting, method)`` of ``cells`` and alpha, the rounds its GA takes to reach
+    ``fraction`` of the same seed's best FedAvg GA (the ``common`` setting's FedAvg; spec section 7b), as the
+    median over the seeds that reach it and how many do."""
+    lines = [f"| setting | alpha | method | rounds to {fraction:.0%} of FedAvg's best GA (median) | seeds reaching it |",
+             "|---|---|---|---|---|"]
+    for (setting, method), alpha in ((cell, a) for cell in cells for a in alphas):
+        reference = {r["seed"]: best(r) for r in by.get(("common", "fedavg", alpha), [])}
+        runs = [r for r in by.get((setting, method, alpha), []) if r["seed"] in reference]
+        if not runs:
+            continue
+        reached = [int(np.argmax(np.asarray(r["global_accuracy"]) >= fraction * reference[r["seed"]])) + 1
+                   for r in runs if max(r["global_accuracy"]) >= fraction * reference[r["seed"]]]
+        median = f"{np.median(reached):g}" if reached else "-"
+        lines.append(f"| {setting} | {alpha:g} | {method} | {median} | {len(reached)} of {len(runs)} |")
+    return lines

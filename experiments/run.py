@@ -529,6 +529,7 @@ class Experiment:
     client_weights: Any         # None, "uniform" or N floats (--client_weights)
     server_data: tuple | None   # (x, y) held out for --pretrain_fraction, or None
     attack: Any                 # bf.core.Attack (--attack), or None
+    pretrainer: Any = None      # what pre-trains on server_data (``pretraining_algorithm``), or None
 
 
 def parse(argv: Sequence[str]) -> list[str]:
@@ -588,6 +589,7 @@ def setup(argv: Sequence[str] = ("run",)) -> Experiment:
     augment = bf.data.augmentation(FLAGS.augment, dataset.input_shape, dataset.pixel_norm)
     if augment is not None:
         algorithm = bf.data.augmented(algorithm, augment)
+    pretrainer = None if server_data is None else pretraining_algorithm(algorithm, model, fed, augment)
     weights = FLAGS.client_weights
     if weights:
         weights = "uniform" if weights == ["uniform"] else [float(w) for w in weights]
@@ -595,7 +597,22 @@ def setup(argv: Sequence[str] = ("run",)) -> Experiment:
     if FLAGS.attack != "none":
         attack = bf.core.Attack(FLAGS.attack, FLAGS.attack_fraction, seed=FLAGS.seed, scale=FLAGS.attack_scale,
                                 noise_std=FLAGS.attack_noise_std)
-    return Experiment(dataset, fed, algorithm, task, client_groups, weights, server_data, attack)
+    return Experiment(dataset, fed, algorithm, task, client_groups, weights, server_data, attack, pretrainer)
+
+
+def pretraining_algorithm(algorithm, model, fed, augment):
+    """What pre-trains the global model on the server's data: the run's own algorithm as one client, except that
+    ``bfl`` with ``--rule=dwc`` or ``--prior_update`` pre-trains against its fixed N(0, prior_scale^2) prior, as
+    ordinary training of the Bayesian network (Fischer et al.'s protocol). Run as they are, each pre-training epoch
+    (a round of one client) would train against the previous epoch's posterior, the first against the initial
+    posterior. Its options are the run's (``prior_scale``, the estimator, ``lr``, ...), with ``rule="wc"``, which
+    returns one client's posterior as it is; the server state it returns has the run's structure."""
+    options, _ = algorithm_flags.options(FLAGS)
+    if FLAGS.algorithm != "bfl" or not (options.get("rule") == "dwc" or options.get("prior_update")):
+        return algorithm
+    options = {name: value for name, value in options.items() if name != "prior_temperature"}  # tempers the update
+    fixed_prior = bf.algorithms.build("bfl", model, fed, **{**options, "rule": "wc", "prior_update": False})
+    return fixed_prior if augment is None else bf.data.augmented(fixed_prior, augment)
 
 
 def main(argv):
@@ -609,7 +626,7 @@ def main(argv):
     init_server = None
     if run.server_data is not None:
         server_x, server_y = run.server_data
-        init_server = bf.core.pretrain(algorithm, server_x, server_y, epochs=FLAGS.pretrain_epochs,
+        init_server = bf.core.pretrain(run.pretrainer, server_x, server_y, epochs=FLAGS.pretrain_epochs,
                                        key=jax.random.PRNGKey(FLAGS.seed + 10_000), num_classes=dataset.num_classes,
                                        validation_fraction=FLAGS.pretrain_validation_fraction,
                                        patience=FLAGS.pretrain_patience)

@@ -87,6 +87,28 @@ def test_early_stopped_pretraining_augmentation_and_weight_decay_flags(tmp_path)
     assert "for 3 epochs at most, stopping early" in out.stdout and "round    1  GA" in out.stdout
 
 
+def test_bfl_pretrains_against_its_fixed_prior_under_dwc_and_prior_update():
+    """Fischer et al. pre-train the Bayesian network by ordinary training (spec D17, Table 4): DWC and
+    --prior_update, run as they are, made each pre-training epoch's prior the previous epoch's posterior (the DWC
+    and WS rows of Table 4 then started from different pre-training)."""
+    import chex
+    import jax
+    import bfedjax as bf
+    from experiments import run
+
+    def pretrained(*flags, own=False):
+        experiment = run.prepare(["run", *SMALL, "--algorithm=bfl", "--pretrain_fraction=0.2", "--seed=3", *flags])
+        x, y = experiment.server_data
+        return bf.core.pretrain(experiment.algorithm if own else experiment.pretrainer, x, y, epochs=2,
+                                key=jax.random.PRNGKey(0), num_classes=10, validation_fraction=0.25)
+
+    ws = pretrained("--rule=ws")
+    for flags in (["--rule=dwc"], ["--rule=ws", "--prior_update", "--prior_temperature=0.5"]):
+        chex.assert_trees_all_close(pretrained(*flags), ws, rtol=1e-5, atol=1e-7)
+    moving = pretrained("--rule=dwc", own=True)  # the run's own DWC clients, as before
+    assert max(float(abs(a - b).max()) for a, b in zip(jax.tree.leaves(moving), jax.tree.leaves(ws))) > 1e-3
+
+
 def test_fola_table2_preset_runs_with_its_table1_augmentation_on_tfds_mock_cifar10(tmp_path):
     out = subprocess.run([sys.executable, "tests/tfds_mock_run.py", "--flagfile=experiments/configs/fola_cifar10_table2.flags",
                           "--rounds=1", "--num_clients=4", "--local_epochs=1", "--max_train=200", "--max_test=50",
@@ -510,6 +532,18 @@ def test_hbfl_report_weighs_the_clients_by_q_when_the_precisions_are_equal():
     rows = hbfl_report.client_size_table({(0.05, 0): [100, 300, 100], (0.05, 1): [5, 5]}, by, [0.05])
     assert rows[2] == "| 0.05 | 0 | 300, 100, 100 | 0.60 | 0.33 | -0.1000 |"
     assert rows[3] == "| 0.05 | 1 | 5, 5 | 0.50 | 0.50 | - |"
+
+
+def test_hbfl_report_counts_rounds_to_ninety_percent_of_fedavgs_best():
+    from experiments import hbfl_report
+    record = lambda setting, method, seed, ga: {"setting": setting, "method": method, "alpha": 0.1, "seed": seed,  # noqa: E731
+                                                "global_accuracy": ga, "client_accuracy": ga}
+    by = {("common", "fedavg", 0.1): [record("common", "fedavg", 0, [0.5, 0.8, 1.0]),
+                                      record("common", "fedavg", 1, [0.5, 0.6])],
+          ("hetero", "hbfl", 0.1): [record("hetero", "hbfl", 0, [0.85, 0.9, 0.95]),  # 0.9 of 1.0: round 2
+                                    record("hetero", "hbfl", 1, [0.1, 0.2])]}  # 0.54 never reached
+    rows = hbfl_report.rounds_to_fedavg_fraction(by, [("hetero", "hbfl"), ("equal_q", "hbfl")], [0.1])
+    assert rows[2:] == ["| hetero | 0.1 | hbfl | 2 | 1 of 2 |"]
 
 
 def test_compare_table_marks_a_round_one_that_was_not_evaluated():
