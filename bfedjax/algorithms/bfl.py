@@ -86,7 +86,7 @@ def bfl(model, input_shape, *, rule: str = "wc", weighting: str = "by_size", pri
         variational clients' ``vi.MeanFieldConfig``; ``lr`` is their optimiser's step.
       optimizer, momentum: the clients' optimiser (spec D7): ``"adam"`` (default) or ``"sgd"`` with
         heavy-ball ``momentum``; its state starts afresh every round. Both step on spec D5's per-sample
-        loss, mean CE + KL / |D_k| (SGD: ``lr / |D_k|`` on SVI's whole-data negative ELBO).
+        loss, ``mean CE + KL / |D_k|`` (SGD: ``lr / |D_k|`` on SVI's whole-data negative ELBO).
       scale_min: the floor of the aggregated posterior scale (spec D2; ``SCALE_MIN`` = 1e-6); the
         ``scale_floor_hits`` metric counts the weights raised to it.
       init_loc, init_loc_std: the initial posterior mean (``vi.MeanFieldConfig``, spec D4), which the
