@@ -151,7 +151,8 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
 
     Args:
       algorithm: an ``Algorithm`` (e.g. ``bfedjax.algorithms.fola(model)``).
-      fed: ``data.FederatedData``.
+      fed: ``data.FederatedData`` (``x [N, max_n, ...]``, ``y [N, max_n]``, ``counts [N]``, the test split).
+      rounds: how many rounds R (a resumed run trains the ones its checkpoint lacks).
       key: run key; model init uses ``fold_in(key, 0)``, round r uses ``fold_in(key, r)``.
       clients_per_round: cohort size K (default: all clients).
       participation: alternatively, K = round(participation * N), sampled afresh every round.
@@ -202,6 +203,11 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
       on_round: called with each round's record (a dict of floats).
       stop_when: called with the records so far after each round; ``True`` ends the run
         early (e.g. ``patience_reached`` for early stopping).
+
+    Returns:
+      ``SimulationResult``: ``metrics`` (per-round lists: ``round``, ``seconds``, ``global_accuracy``, ...),
+      the final ``state`` (``state.server``: the algorithm's server state, e.g. FOLA's
+      ``{"params", "precision"}``), and the layout the rounds ran with.
     """
     if rounds < 1:
         raise ValueError(f"rounds={rounds} must be >= 1")

@@ -169,6 +169,15 @@ def _consecutive(sizes: Sequence[int]) -> list[np.ndarray]:
 
 
 def from_partition(dataset, parts: Sequence[np.ndarray], **kwargs) -> FederatedData:
-    """``stack_clients`` for a ``data.Dataset`` (train split partitioned, test split global)."""
+    """A ``FederatedData`` of ``dataset``'s training split, partitioned, and its whole test split.
+
+    Args:
+      dataset: a ``data.Dataset`` (``data.load``): ``x_train [n, ...]``, ``y_train [n]``, ``x_test``, ``y_test``.
+      parts: one int index array into ``x_train`` per client (``data.partition``).
+      **kwargs: ``stack_clients``'s ``pad_to_multiple`` and ``test_parts`` (the clients' own test splits).
+    Returns:
+      ``FederatedData``: ``x [N, max_n, ...]``, ``y [N, max_n]`` padded, ``counts [N]``, ``weights [N]``
+      (``counts / sum``), and the global ``x_test``, ``y_test``.
+    """
     return stack_clients(dataset.x_train, dataset.y_train, parts, x_test=dataset.x_test,
                          y_test=dataset.y_test, num_classes=dataset.num_classes, name=dataset.name, **kwargs)
