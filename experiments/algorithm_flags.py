@@ -108,6 +108,9 @@ OPTION_FLAGS = {
     "fedreg_clamp": ("clamp", ("fedreg",)),
     "fedreg_per_layer": ("per_layer", ("fedreg",)),
     "fedreg_pseudo_temperature": ("pseudo_temperature", ("fedreg",)),
+    "fedreg_projections": ("projections", ("fedreg",)),
+    "fedreg_equality": ("equality", ("fedreg",)),
+    "fedreg_hard_pseudo": ("hard_pseudo", ("fedreg",)),
     "scaffold_option": ("option", ("scaffold",)),
     "likelihood_temperature": ("temperature", ("hbfl",)),
     "meme_lr": ("meme_lr", ("hbfl",)),
@@ -230,6 +233,10 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> None:
             "paper projects the whole flattened model).")
     number(flags.DEFINE_float, "fedreg_pseudo_temperature", "fedreg: temperature tau of the pseudo labels "
            "softmax(logits / tau) (default 1, the paper's).")
+    boolean("fedreg_projections", "fedreg: Eq. 10's projections (default on; --nofedreg_projections is the "
+            "ablation, and with --fedreg_gamma=1 FedAvg).")
+    boolean("fedreg_equality", "fedreg: the constraints as equalities (w_s, w_p may be negative; spec option).")
+    boolean("fedreg_hard_pseudo", "fedreg: argmax pseudo labels instead of the softmax (spec option).")
     enum("scaffold_option", SCAFFOLD_OPTIONS, "scaffold: control-variate update (default II).")
     boolean("fedprox_detached", "fedprox as the FedRef authors ran it: the proximal term has no gradient, so the "
             "clients train like FedAvg's.")

@@ -219,6 +219,16 @@ def test_every_option_flag_is_an_option_of_its_algorithms():
             assert option in bf.algorithms.options_of(name), (flag, name)
 
 
+def test_fedregs_spec_options_have_flags(tmp_path):
+    from experiments import algorithm_flags
+    path = tmp_path / "fedreg.flags"
+    path.write_text("--algorithm=fedreg\n--nofedreg_projections\n--fedreg_equality\n--fedreg_hard_pseudo\n")
+    options, ignored = algorithm_flags.options(algorithm_flags.parse_flagfile(str(path)))
+    assert not ignored
+    assert {k: options[k] for k in ("projections", "equality", "hard_pseudo")} == {
+        "projections": False, "equality": True, "hard_pseudo": True}
+
+
 def test_bench_quick_smoke_and_resume(tmp_path):
     from experiments import bench_report as bench
     # 10 samples a client (one local step): the rounds timed in turn (10 + 1 of each layout, twice) run a tenth as long
