@@ -34,9 +34,10 @@ class DifferentRunError(ValueError):
 def tree_digest(tree, max_values: int | None = None) -> str | None:
     """A hex blake2b checksum of a pytree of arrays: every leaf's dtype, shape and values, in leaf order.
 
-    ``max_values``: hash at most about this many values a leaf, evenly strided over its flattened values
-    (a large data set's fingerprint, not a checksum). ``None`` when a leaf is split over several hosts (this
-    process cannot read all of it).
+    ``max_values``: hash at most about this many values a leaf, strided over its flattened values by a prime
+    (a large data set's fingerprint, not a checksum; a prime stride walks over every position of an image
+    rather than a few columns). ``None`` when a leaf is split over several hosts (this process cannot read all
+    of it).
     """
     leaves = []
     for leaf in jax.tree.leaves(tree):
@@ -46,7 +47,7 @@ def tree_digest(tree, max_values: int | None = None) -> str | None:
             if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
                 leaf = jax.random.key_data(leaf)
         if max_values is not None and np.size(leaf) > max_values:
-            leaf = (leaf.shape, leaf.ravel()[::-(-np.size(leaf) // max_values)])
+            leaf = (leaf.shape, leaf.ravel()[::_prime_at_least(-(-np.size(leaf) // max_values))])
         leaves.append(leaf)
     digest = hashlib.blake2b(digest_size=16)
     for leaf in jax.device_get(leaves):
@@ -68,7 +69,7 @@ class RoundCheckpointer:
 
     def __init__(self, directory: str, max_to_keep: int = 3, run_identity: dict | None = None):
         self.directory = os.path.abspath(directory)
-        self.run_identity = None if run_identity is None else json.loads(json.dumps(run_identity))
+        self.run_identity = None if run_identity is None else json.loads(json.dumps(run_identity, default=_plain))
         self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, create=True, cleanup_tmp_directories=True))
 
@@ -90,17 +91,19 @@ class RoundCheckpointer:
         """
         if not os.path.exists(os.path.join(self.directory, str(round_index), COMMIT_MARKER)):
             raise ValueError(f"half-written: no {COMMIT_MARKER}")
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like_state)
-        out = self._manager.restore(round_index, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), history=ocp.args.JsonRestore()))
-        saved = out["history"]
+        # the identity first: another run's arrays may not even fit like_state (another model or client count)
+        saved = self._manager.restore(round_index, args=ocp.args.Composite(history=ocp.args.JsonRestore()))["history"]
         self._check_identity(round_index, saved.get("run"))
         history = list(saved["rounds"])
         if [h.get("round") for h in history[:round_index]] != list(range(1, round_index + 1)):
             raise ValueError(f"its history holds rounds {[h.get('round') for h in history]}, not 1..{round_index}")
-        if saved.get("state_digest") not in (None, tree_digest(out["state"])):  # older checkpoints: no checksum
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like_state)
+        state = self._manager.restore(round_index, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract)))["state"]
+        saved_digest, digest = saved.get("state_digest"), tree_digest(state)
+        if None not in (saved_digest, digest) and digest != saved_digest:  # older checkpoints, several hosts: none
             raise ValueError("its arrays differ from the checksum saved with them (overwritten bytes)")
-        return out["state"], history[:round_index]
+        return state, history[:round_index]
 
     def _check_identity(self, round_index: int, saved: dict | None) -> None:
         """Raises ``DifferentRunError`` naming up to four differing entries, the caller's settings first
@@ -109,10 +112,13 @@ class RoundCheckpointer:
             return
         ours, theirs = _flat(self.run_identity), _flat(saved)
         shown = {}  # by innermost name: a flag and the hyper-parameter it sets are one difference
-        for path in sorted(ours.keys() | theirs.keys(), key=lambda p: (not p.startswith("settings."), p)):
-            if ours.get(path) != theirs.get(path):
-                shown.setdefault(path.rsplit(".", 1)[-1], (ours.get(path), theirs.get(path)))
+        # entries on one side only (a flag added or removed by another bfedjax version) are not compared
+        for path in sorted(ours.keys() & theirs.keys(), key=lambda p: (not p.startswith("settings."), p)):
+            if ours[path] != theirs[path]:
+                shown.setdefault(path.rsplit(".", 1)[-1], (ours[path], theirs[path]))
         names = list(shown)
+        if not names:
+            return
         listed = ", ".join(f"{name} (another checksum)" if all(map(_is_digest, shown[name])) else
                            f"{name} {_short(shown[name][0])} (saved: {_short(shown[name][1])})" for name in names[:4])
         more = f" and {len(names) - 4} more" if len(names) > 4 else ""
@@ -198,6 +204,19 @@ def _flat(identity: dict, prefix: str = "") -> dict:
         else:
             flat[prefix + name] = value
     return flat
+
+
+def _prime_at_least(n: int) -> int:
+    n = max(n, 2)
+    while any(n % d == 0 for d in range(2, int(n ** 0.5) + 1)):
+        n += 1
+    return n
+
+
+def _plain(value):
+    """JSON for what ``json`` does not take: numpy scalars and arrays as numbers and lists, anything else as its
+    ``repr``."""
+    return value.tolist() if isinstance(value, (np.ndarray, np.generic, jax.Array)) else repr(value)
 
 
 def _short(value, limit: int = 40) -> str:

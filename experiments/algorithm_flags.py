@@ -374,18 +374,19 @@ def options(flag_values: flags.FlagValues = flags.FLAGS) -> tuple[dict, list[str
     return out, ignored
 
 
-def build(flag_values: flags.FlagValues, model, fed, setting: dict | None = None):
+def build(flag_values: flags.FlagValues, model, fed, setting: dict | None = None, *, quiet: bool = False):
     """The flags' algorithm for ``model`` on ``fed``.
 
     ``setting``: options an experiment fixes for every method it runs (e.g. ``local_epochs``),
     passed to the factories that take them and replacing the flags' values.
-    Prints one line naming option flags that do not apply; a bad option value is a ``UsageError``.
+    Prints one line naming option flags that do not apply (``quiet``: not); a bad option value is a
+    ``UsageError``.
     """
     import bfedjax as bf
     opts, ignored = options(flag_values)
     accepted = set(bf.algorithms.options_of(flag_values.algorithm))
     opts.update({k: v for k, v in (setting or {}).items() if k in accepted})
-    if ignored:
+    if ignored and not quiet:
         print(f"note: {', '.join(ignored)} do{'es' if len(ignored) == 1 else ''} not apply to "
               f"--algorithm={flag_values.algorithm} (ignored)", file=sys.stderr, flush=True)
     try:

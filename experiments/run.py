@@ -589,7 +589,8 @@ def setup(argv: Sequence[str] = ("run",)) -> Experiment:
     augment = bf.data.augmentation(FLAGS.augment, dataset.input_shape, dataset.pixel_norm)
     if augment is not None:
         algorithm = bf.data.augmented(algorithm, augment)
-    pretrainer = None if server_data is None else pretraining_algorithm(algorithm, model, fed, augment)
+    pretrainer = None if server_data is None else pretraining_algorithm(
+        algorithm, model, fed, {**setting, **architectures}, augment)
     weights = FLAGS.client_weights
     if weights:
         weights = "uniform" if weights == ["uniform"] else [float(w) for w in weights]
@@ -600,18 +601,19 @@ def setup(argv: Sequence[str] = ("run",)) -> Experiment:
     return Experiment(dataset, fed, algorithm, task, client_groups, weights, server_data, attack, pretrainer)
 
 
-def pretraining_algorithm(algorithm, model, fed, augment):
+def pretraining_algorithm(algorithm, model, fed, setting: dict, augment):
     """What pre-trains the global model on the server's data: the run's own algorithm as one client, except that
     ``bfl`` with ``--rule=dwc`` or ``--prior_update`` pre-trains against its fixed N(0, prior_scale^2) prior, as
     ordinary training of the Bayesian network (Fischer et al.'s protocol). Run as they are, each pre-training epoch
     (a round of one client) would train against the previous epoch's posterior, the first against the initial
-    posterior. Its options are the run's (``prior_scale``, the estimator, ``lr``, ...), with ``rule="wc"``, which
-    returns one client's posterior as it is; the server state it returns has the run's structure."""
+    posterior. It is the run's algorithm (its options and wrappers: server optimiser, robust rule) with
+    ``rule="wc"``, which returns one client's posterior as it is, and no prior update, so the server state it
+    returns has the run's structure."""
     options, _ = algorithm_flags.options(FLAGS)
     if FLAGS.algorithm != "bfl" or not (options.get("rule") == "dwc" or options.get("prior_update")):
         return algorithm
-    options = {name: value for name, value in options.items() if name != "prior_temperature"}  # tempers the update
-    fixed_prior = bf.algorithms.build("bfl", model, fed, **{**options, "rule": "wc", "prior_update": False})
+    fixed_prior = algorithm_flags.build(FLAGS, model, fed, {**setting, "rule": "wc", "prior_update": False,
+                                                            "prior_temperature": 1.0}, quiet=True)
     return fixed_prior if augment is None else bf.data.augmented(fixed_prior, augment)
 
 
@@ -669,7 +671,7 @@ def main(argv):
 RESUMABLE_FLAGS = frozenset({
     "rounds", "output_dir", "resume", "tensorboard", "evaluate_local", "evaluate_every", "test_samples", "targets",
     "clients_per_chunk", "cpu_devices", "compilation_cache_dir", "backend", "on_nonfinite", "data_dir",
-    "tfds_data_dir"})
+    "tfds_data_dir", "max_test", "precision_cosine"})
 
 
 def training_flags() -> dict:

@@ -212,6 +212,37 @@ def test_a_checkpoint_of_another_run_is_not_resumed_and_one_line_names_what_diff
     assert run().metrics["round"] == [1, 2, 3]  # the same run resumes
 
 
+def test_run_identities_compare_what_both_sides_name(tmp_path):
+    """A flag another bfedjax version added (on one side only, e.g. unset: None) does not refuse a resume; numpy
+    scalars are JSON; a differing entry is named."""
+    state = {"w": jnp.ones(3)}
+    ckpt = RoundCheckpointer(str(tmp_path), run_identity={"flags": {"lr": np.float32(0.5), "clients": np.int64(4)}})
+    ckpt.save(1, state, [{"round": 1}])
+    ckpt.close()
+    newer = RoundCheckpointer(str(tmp_path), run_identity={"flags": {"lr": 0.5, "clients": 4, "new_flag": None}})
+    assert newer.restore_latest(state)[0] == 1
+    newer.close()
+    other = RoundCheckpointer(str(tmp_path), run_identity={"flags": {"lr": 0.5, "clients": 5, "new_flag": None}})
+    with pytest.raises(DifferentRunError, match=r"differs in clients 5 \(saved: 4\);"):
+        other.restore_latest(state)
+
+
+def test_a_model_change_is_named_and_a_given_initial_server_state_is_not_compared(small_fed, tiny_model, tmp_path):
+    """The identity is read before the arrays: another model's checkpoint names the initial state, not orbax's
+    shape error; a given init_server (pre-training, recomputed by a resume and not bitwise repeatable on every
+    accelerator) is left out, so a resume from a slightly different one goes on."""
+    algo = lambda model: bf.algorithms.fedavg(model, lr=0.1, batch_size=16)  # noqa: E731
+    run = dict(key=jax.random.PRNGKey(0), evaluate_local=False, checkpoint_dir=str(tmp_path / "model"))
+    bf.simulate(algo(tiny_model), small_fed, rounds=1, **run)
+    with pytest.raises(DifferentRunError, match=r"differs in initial_state \(another checksum\);"):
+        bf.simulate(algo(bf.models.get_model("mlp", 10, hidden=(32,))), small_fed, rounds=2, **run)
+    server = algo(tiny_model).server_init(tiny_model.init(jax.random.PRNGKey(1), small_fed.x[0][:1])["params"])
+    run = dict(run, checkpoint_dir=str(tmp_path / "given"), clients_per_round=np.int64(3))
+    bf.simulate(algo(tiny_model), small_fed, rounds=1, init_server=server, **run)
+    nudged = jax.tree.map(lambda p: p + 1e-7, server)
+    assert bf.simulate(algo(tiny_model), small_fed, rounds=2, init_server=nudged, **run).metrics["round"] == [1, 2]
+
+
 def test_a_save_cut_short_by_a_kill_is_ignored(tmp_path, caplog):
     """A kill during a save leaves orbax's ``<round>.orbax-checkpoint-tmp``: not a checkpoint, no warning."""
     _saved(tmp_path)

@@ -145,7 +145,9 @@ def bfl(model, input_shape, *, rule: str = "wc", weighting: str = "by_size", pri
         d = ctx.data
         rows = min(batch_size, d.y.shape[0])
         count = d.count.astype(jnp.float32)
-        state = vi.init_svi_state(key, d.x[:rows], d.y[:rows], count, ctx.server,
+        # SVI's init traces the model on a batch for its shapes; the values do not enter the state, and zeros keep
+        # data.augmented's pass over the client's data (for initial passes that read it, FedReg's) out of the round
+        state = vi.init_svi_state(key, jnp.zeros_like(d.x[:rows]), d.y[:rows], count, ctx.server,
                                   *prior_args(ctx.server), kl_weight=client_kl_weight(ctx))
         # SVI's loss is the negative ELBO of the client's whole data, |D_k| times spec D5's per-sample loss (mean CE
         # + KL / |D_k|): Adam's steps do not see the factor, SGD's step is lr / |D_k| on it

@@ -125,12 +125,15 @@ def run_identity(algorithm: Algorithm, key: jax.Array, arrays: RoundArrays, init
     """What a checkpoint must have been saved by to be resumed (``checkpoint.RoundCheckpointer``): the algorithm's
     name, hyper-parameters, epochs and batch size, the run key, a fingerprint of the round arrays (data, weights,
     attackers; ``checkpoint.tree_digest`` of about 2^16 values a leaf), the initial state's checksum (model,
-    init), the cohort and the round options that change training, and ``extra`` (e.g. a binary's flags)."""
+    init; ``None`` for a given ``init_server``, which a resume recomputes, e.g. by pre-training, and which need not
+    be bitwise repeatable on an accelerator), the cohort and the round options that change training, and
+    ``extra`` (e.g. a binary's flags)."""
     from bfedjax.checkpoint import tree_digest
     return {"algorithm": algorithm.name, "local_epochs": algorithm.local_epochs, "batch_size": algorithm.batch_size,
             "hparams": {name: np.asarray(value).tolist() for name, value in (algorithm.hparams or {}).items()},
             "key": tree_digest(key), "data": tree_digest(arrays, max_values=1 << 16),
-            "initial_state": tree_digest(initial_state), "clients_per_round": config.clients_per_round,
+            "initial_state": None if initial_state is None else tree_digest(initial_state),
+            "clients_per_round": config.clients_per_round,
             "participation": participation, "stragglers": [config.straggler_fraction, config.straggler_weighting],
             "round_fractions": config.round_fractions, "attack": repr(config.attack),
             "client_groups": None if config.client_groups is None else list(config.client_groups),
@@ -262,7 +265,8 @@ def simulate(algorithm: Algorithm, fed, *, rounds: int, key: jax.Array, clients_
     if checkpoint_dir:
         from bfedjax.checkpoint import RoundCheckpointer
         checkpointer = RoundCheckpointer(checkpoint_dir, run_identity=run_identity(
-            algorithm, key, host_arrays, state, config, participation, checkpoint_identity))
+            algorithm, key, host_arrays, None if init_server is not None else state, config, participation,
+            checkpoint_identity))
         last = checkpointer.latest_round()
         if last is not None and last > rounds:
             raise ValueError(f"the checkpoint in {checkpoint_dir} is at round {last} > rounds={rounds}; "

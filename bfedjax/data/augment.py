@@ -183,7 +183,8 @@ def augmented(algorithm: Algorithm, augment: AugmentFn) -> Algorithm:
         return dataclasses.replace(ctx, data=ctx.data._replace(x=x))
 
     def client_init(ctx, key):
-        inner = inner_init(seen(ctx, jax.random.fold_in(key, _INIT_KEY_SALT)), key)  # unread data: jit drops it
+        # an init that reads no data values (only shapes, as BFL's) leaves the pass unused and jit drops it
+        inner = inner_init(seen(ctx, jax.random.fold_in(key, _INIT_KEY_SALT)), key)
         return AugmentedLocal(inner, jax.random.fold_in(key, _FINAL_KEY_SALT))
 
     def client_step(local, batch, ctx, key):
