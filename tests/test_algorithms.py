@@ -280,6 +280,10 @@ def test_fola_reports_precision_diagnostics_of_the_global_precision(small_fed, t
     global_precision = np.concatenate([np.ravel(p) for p in jax.tree.leaves(res.state.server["precision"])]) / 2
     np.testing.assert_allclose(res.metrics["precision_median"][-1], np.median(global_precision), rtol=1e-5)
     np.testing.assert_allclose(res.metrics["precision_below_eps"][-1], np.mean(global_precision < 1e-5), rtol=1e-5)
+    fola = bf.algorithms.fola(tiny_model)
+    stats = fola.client_stats({"params": tiny_params, "precision": jax.tree.map(jnp.ones_like, tiny_params)})
+    with pytest.raises(ValueError, match=r"hparams\['round'\].*fix: aggregate through the engine"):
+        fola.server_from_stats(fola.server_init(tiny_params), stats, jnp.ones(1), {}, None)
 
 
 def test_fola_paper_profile_defaults_lambda_to_its_grid_and_eps0_keeps_uninformed_means(small_fed, tiny_model,

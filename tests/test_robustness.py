@@ -217,7 +217,7 @@ def test_robust_layer_puts_the_rule_under_any_algorithm(small_fed, tiny_model, t
     precision = jax.tree.map(lambda p: jnp.ones((3,) + p.shape), tiny_params)
     server, _ = jax.jit(bf.algorithms.with_robust_aggregation(fola, "robust_product", trim=0.34).server_update)(
         {"params": tiny_params, "precision": jax.tree.map(jnp.zeros_like, tiny_params)},
-        {**messages, "precision": precision}, w, mask, {}, jax.random.PRNGKey(0))
+        {**messages, "precision": precision}, w, mask, {"round": jnp.int32(1)}, jax.random.PRNGKey(0))
     chex.assert_trees_all_close(server["params"], jax.tree.map(lambda p: 2 * p, tiny_params), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="robust_product needs Gaussian messages"):
         bf.algorithms.with_robust_aggregation(fedavg, "robust_product").server_update(

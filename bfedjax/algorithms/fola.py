@@ -302,7 +302,11 @@ def fola(model, *, lr: float = 0.01, lam: float | None = None, local_epochs: int
         r Lambda_S after round r (Eq. 25); the running average is Lambda_S itself."""
         if not (accumulates(cfg) and cfg.precision_mode == "running_sum"):
             return precision
-        return jax.tree.map(lambda w: w / hparams["round"].astype(w.dtype), precision)
+        if "round" not in (hparams or {}):
+            raise ValueError("FOLA's precision diagnostics read hparams['round'] (Lambda_S = omega_S / r); fix: "
+                             "aggregate through the engine (finish_round / make_round_step), which adds it, or "
+                             "fola(..., precision_diagnostics=False)")
+        return jax.tree.map(lambda w: w / jnp.asarray(hparams["round"]).astype(w.dtype), precision)
 
     def scaled_to_fixed_pi(stats, hparams):
         if COHORT_WEIGHT not in (hparams or {}):
