@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from bfedjax.metrics import rounds_to_target
+
 
 def best(record, metric="global_accuracy") -> float:
     """The best per-round value of ``metric`` in one run."""
@@ -123,8 +125,8 @@ def rounds_to_fedavg_fraction(by, cells, alphas, fraction: float = 0.9) -> list[
         runs = [r for r in by.get((setting, method, alpha), []) if r["seed"] in reference]
         if not runs:
             continue
-        reached = [int(np.argmax(np.asarray(r["global_accuracy"]) >= fraction * reference[r["seed"]])) + 1
-                   for r in runs if max(r["global_accuracy"]) >= fraction * reference[r["seed"]]]
+        rounds = [rounds_to_target(r["global_accuracy"], fraction * reference[r["seed"]]) for r in runs]
+        reached = [n for n in rounds if n is not None]
         median = f"{np.median(reached):g}" if reached else "-"
         lines.append(f"| {setting} | {alpha:g} | {method} | {median} | {len(reached)} of {len(runs)} |")
     return lines

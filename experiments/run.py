@@ -609,8 +609,7 @@ def pretraining_algorithm(algorithm, model, fed, setting: dict, augment):
     posterior. It is the run's algorithm (its options and wrappers: server optimiser, robust rule) with
     ``rule="wc"``, which returns one client's posterior as it is, and no prior update, so the server state it
     returns has the run's structure."""
-    options, _ = algorithm_flags.options(FLAGS)
-    if FLAGS.algorithm != "bfl" or not (options.get("rule") == "dwc" or options.get("prior_update")):
+    if FLAGS.algorithm != "bfl" or not (FLAGS.rule == "dwc" or FLAGS.prior_update):
         return algorithm
     fixed_prior = algorithm_flags.build(FLAGS, model, fed, {**setting, "rule": "wc", "prior_update": False,
                                                             "prior_temperature": 1.0}, quiet=True)
@@ -674,11 +673,16 @@ RESUMABLE_FLAGS = frozenset({
     "tfds_data_dir", "max_test", "precision_cosine"})
 
 
-def training_flags() -> dict:
-    """This binary's and the algorithm flags' values except ``RESUMABLE_FLAGS``: with ``simulate``'s own checks,
-    a checkpoint saved under other values is not resumed (``checkpoint.DifferentRunError``)."""
+def run_flags() -> dict:
+    """This binary's and the algorithm flags' values, by name (``summary.json``'s ``flags``)."""
     return {f.name: f.value for module in (__name__, algorithm_flags.__name__)
-            for f in FLAGS.get_key_flags_for_module(sys.modules[module]) if f.name not in RESUMABLE_FLAGS}
+            for f in FLAGS.get_key_flags_for_module(sys.modules[module])}
+
+
+def training_flags() -> dict:
+    """``run_flags`` except ``RESUMABLE_FLAGS``: with ``simulate``'s own checks, a checkpoint saved under other
+    values is not resumed (``checkpoint.DifferentRunError``)."""
+    return {name: value for name, value in run_flags().items() if name not in RESUMABLE_FLAGS}
 
 
 def use_cpu_cores() -> int:
@@ -725,8 +729,7 @@ def finish(run: Experiment, result, log: round_log.RoundLog) -> None:
     ga = result.metrics[f"global_{headline}"]
     summary = {
         "algorithm": algorithm.name, "dataset": run.dataset.name, "source": run.dataset.source,
-        "flags": {f.name: f.value for module in (__name__, algorithm_flags.__name__)
-                  for f in FLAGS.get_key_flags_for_module(sys.modules[module])},
+        "flags": run_flags(),
         "clients_per_chunk": result.clients_per_chunk,  # the layout the rounds ran with (None: one vmap)
         "client_devices": result.client_devices,  # the devices its chunks were split over
         f"round1_global_{headline}": _number_or_none(ga[0]), f"final_global_{headline}": ga[-1],

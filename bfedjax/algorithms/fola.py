@@ -148,6 +148,15 @@ PROFILES = {
 }
 
 
+def engine_hparam(hparams, name: str, user: str, what: str, alternative: str = ""):
+    """``hparams[name]``, which the engine adds to every aggregation; a one-line error naming the fix when an
+    aggregation is called without it."""
+    if name not in (hparams or {}):
+        raise ValueError(f"{user} needs hparams[{name!r}] ({what}); fix: aggregate through the engine "
+                         f"(finish_round / make_round_step), which adds it{alternative}")
+    return hparams[name]
+
+
 def prune_precision(precision, p: float):
     """FOLA's parameter compression, leaf by leaf: the authors' threshold is the ``floor(p n)``-th largest of
     the leaf's ``n`` precisions (0-based); entries below it are replaced by their mean, so a client sends
@@ -302,17 +311,12 @@ def fola(model, *, lr: float = 0.01, lam: float | None = None, local_epochs: int
         r Lambda_S after round r (Eq. 25); the running average is Lambda_S itself."""
         if not (accumulates(cfg) and cfg.precision_mode == "running_sum"):
             return precision
-        if "round" not in (hparams or {}):
-            raise ValueError("FOLA's precision diagnostics read hparams['round'] (Lambda_S = omega_S / r); fix: "
-                             "aggregate through the engine (finish_round / make_round_step), which adds it, or "
-                             "fola(..., precision_diagnostics=False)")
-        return jax.tree.map(lambda w: w / jnp.asarray(hparams["round"]).astype(w.dtype), precision)
+        r = engine_hparam(hparams, "round", "FOLA's precision diagnostics", "Lambda_S = omega_S / r",
+                          " or fola(..., precision_diagnostics=False)")
+        return jax.tree.map(lambda w: w / jnp.asarray(r).astype(w.dtype), precision)
 
     def scaled_to_fixed_pi(stats, hparams):
-        if COHORT_WEIGHT not in (hparams or {}):
-            raise ValueError(f"FOLA fixed_pi needs hparams[{COHORT_WEIGHT!r}], the cohort's sum of pi_n; fix: aggregate "
-                             "through the engine (finish_round / make_round_step), which adds it")
-        share = hparams[COHORT_WEIGHT]
+        share = engine_hparam(hparams, COHORT_WEIGHT, "FOLA fixed_pi", "the cohort's sum of pi_n")
         return jax.tree.map(lambda s: s * jnp.asarray(share, s.dtype), stats)
 
     def precision_diagnostics(precision):
