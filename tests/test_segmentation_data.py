@@ -86,7 +86,11 @@ def test_unet_registry_init_and_bad_size():
     head = params["Conv_2"]  # the 1x1 conv: Glorot uniform kernel U(-a, a), a = sqrt(6 / (4 + 1)), zero bias
     assert head["kernel"].shape == (1, 1, 4, 1)
     assert 0.3 * np.sqrt(6 / 5) < float(np.abs(head["kernel"]).max()) <= np.sqrt(6 / 5) * (1 + 1e-6)
-    assert all(float(np.abs(leaf["bias"]).max()) == 0.0 for leaf in params.values())
+    assert float(np.abs(head["bias"]).max()) == 0.0
+    for name, cin in (("Conv_0", 1), ("Conv_1", 4)):  # 3x3 convs: PyTorch's default, U(-b, b), b = 1/sqrt(9 cin)
+        bound = 1 / np.sqrt(9 * cin)
+        for leaf in params[name].values():
+            assert 0.5 * bound < float(np.abs(leaf).max()) <= bound * (1 + 1e-6)
     with pytest.raises(ValueError, match="divisible by 4"):
         jax.eval_shape(UNet().init, jax.random.PRNGKey(0), np.zeros((1, 30, 30, 1), np.float32))
 

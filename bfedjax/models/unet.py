@@ -14,8 +14,10 @@ its ``conv_upscale`` transposed conv is not offered). Level ``i`` has
 Every 3x3 conv is padded SAME and followed by ReLU. Unlike pytorch-3dunet's
 encoder (whose first conv has ``f_i // 2`` channels, 'in -> f/2 -> f'), both
 encoder convs here have ``f_i`` channels (the classic Ronneberger block).
-All kernels are Glorot (Xavier) uniform with zero biases: the zoo's
-convention, and the authors' re-initialisation of the final conv.
+The 3x3 convs keep PyTorch's default initialisation (kernel and bias
+U(-1/sqrt(fan_in), +1/sqrt(fan_in)), ``fan_in = 9 cin``); the 1x1 head is
+Xavier (Glorot) uniform with a zero bias, the authors' re-initialisation of
+the final conv (FedRef spec section 5).
 
 Input ``x [B, H, W, C]`` with ``H`` and ``W`` divisible by ``2**(levels - 1)``;
 output logits ``[B, H, W]`` when ``out_channels == 1`` (the channel squeezed:
@@ -35,12 +37,13 @@ import jax
 import jax.numpy as jnp
 
 from bfedjax.models.conv import conv_general_dilated as zoo_conv
+from bfedjax.models.torch_init import TORCH_KERNEL_INIT, torch_uniform_init
 
 
 def _conv_relu(x: jax.Array, features: int, dtype) -> jax.Array:
-    """``[B, H, W, cin] -> [B, H, W, features]``: SAME 3x3 conv, Glorot kernel, zero bias, ReLU."""
-    conv = nn.Conv(features, (3, 3), padding="SAME", kernel_init=nn.initializers.xavier_uniform(),
-                   bias_init=nn.initializers.zeros, dtype=dtype, conv_general_dilated=zoo_conv)
+    """``[B, H, W, cin] -> [B, H, W, features]``: SAME 3x3 conv (PyTorch's default init), ReLU."""
+    conv = nn.Conv(features, (3, 3), padding="SAME", kernel_init=TORCH_KERNEL_INIT,
+                   bias_init=torch_uniform_init(9 * x.shape[-1]), dtype=dtype, conv_general_dilated=zoo_conv)
     return nn.relu(conv(x))
 
 
