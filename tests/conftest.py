@@ -56,6 +56,23 @@ def tiny_params(tiny_model):
     return tiny_model.init(jax.random.PRNGKey(1), np.zeros((1, 8, 8, 1), np.float32))["params"]
 
 
+@pytest.fixture(scope="session")
+def halves(digits):
+    """Two clients holding digits 0-4 and 5-9 (FOLA's Sec. IV-E split) of the first 400 training digits."""
+    parts = bf.data.partition(digits.y_train[:400], "class_groups", 2, groups=[[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]],
+                              seed=0)
+    return bf.data.stack_clients(digits.x_train[:400], digits.y_train[:400], parts, x_test=digits.x_test,
+                                 y_test=digits.y_test, num_classes=10, name="digits")
+
+
+@pytest.fixture(scope="session")
+def logistic():
+    """``(model, params)``: softmax regression on the 8x8 digits (d = 650)."""
+    model = bf.models.get_model("logistic", 10)
+    params = model.init(jax.random.PRNGKey(3), np.zeros((1, 8, 8, 1), np.float32))["params"]
+    return model, params
+
+
 def pytest_unconfigure(config):
     """Removes the compilation cache this process made (under pytest-xdist the controller's, which the workers
     inherited with the environment)."""

@@ -625,3 +625,26 @@ def test_compare_runs_every_label_once_per_seed(tmp_path):
     assert "Seeds 3, 4: each cell is the mean ± the sample std" in text and f"| {best} |" in text
     assert "GA per round (mean over the seeds):" in text
     assert f"{tmp_path / 'out' / 'fedavg' / 'seed3'} {tmp_path / 'out' / 'fedavg' / 'seed4'}" in out.stdout
+
+
+def test_fola_ae_lf_script_smoke(tmp_path):
+    """FOLA Sec. IV-E's analysis on the 8x8 digits: the curves' check at the runs' own pi_1, every AE and LF point,
+    and a resume that retrains nothing."""
+    out_file = tmp_path / "ae_lf.md"
+    flags = ("--dataset=digits", "--curve_methods=fedavg,full_online", "--curve_rounds=1,2", "--pis=0,0.51,1",
+             "--alphas=1", "--reference_rounds=2", "--ae_round=1", "--lf_epochs=1,3", f"--results_file={out_file}")
+    _script("experiments.fola_ae_lf", *flags)
+    text = out_file.read_text()
+    assert "largest difference 0.0e+00" in text
+    saved = json.loads(out_file.with_suffix(".json").read_text())
+    assert set(saved["curves"]) == {"fedavg", "full_online"}
+    assert all(len(run["curves"][r]) == 3 for run in saved["curves"].values() for r in ("1", "2"))
+    study = saved["studies"][0]
+    assert set(study["ae"]) == {"fedavg", "diagonal_online", "full_online"}
+    assert set(study["lf"]) == {"fedavg/E1", "fedavg/E3", "fola_full/E1", "fola_full/E3"}
+    assert all(p["aggregation_error"] > 0 for p in study["ae"].values())
+    # from theta*, the prior keeps FOLA's local models nearer theta* than FedAvg's at the same E
+    assert study["lf"]["fola_full/E3"]["local_forgetting"] < study["lf"]["fedavg/E3"]["local_forgetting"]
+    assert "| pooled | 4 |" in text  # theta* and the three methods
+    again = _script("experiments.fola_ae_lf", *flags)
+    assert "curves fedavg:" not in again.stdout and "alpha 1:" not in again.stdout

@@ -15,22 +15,6 @@ from bfedjax.models.apply import apply_fn_of
 from bfedjax.posteriors import DensePrecision, gaussian_product_full, quadratic_penalty
 
 
-@pytest.fixture(scope="module")
-def halves(digits):
-    """Two clients holding digits 0-4 and 5-9 (the paper's IV-E split) of the first 400 training digits."""
-    parts = bf.data.partition(digits.y_train[:400], "class_groups", 2, groups=[[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]],
-                              seed=0)
-    return bf.data.stack_clients(digits.x_train[:400], digits.y_train[:400], parts, x_test=digits.x_test,
-                                 y_test=digits.y_test, num_classes=10, name="digits")
-
-
-@pytest.fixture(scope="module")
-def logistic():
-    model = bf.models.get_model("logistic", 10)
-    params = model.init(jax.random.PRNGKey(3), np.zeros((1, 8, 8, 1), np.float32))["params"]
-    return model, params
-
-
 def softmax_regression_hessian(params, x, y):
     """float64 oracle: the mean-CE Hessian of softmax regression, ``(1/n) sum_i (diag p_i - p_i p_i^T) kron
     (x~_i x~_i^T)`` with ``x~ = [x, 1]``, in ``ravel_pytree``'s coordinate order."""

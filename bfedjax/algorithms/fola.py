@@ -65,6 +65,10 @@ precision_diagnostics  report the spec's precision diagnostics (section 7) as se
 "authors_code" (the released code's choices: detached prior) or "paper"
 (per-sample Fisher, 1/T, running average, eps 0, no clipping); explicit
 keyword arguments override the profile.
+
+``reference_posterior(server, rounds, profile, **options)`` turns a run's server state into the global
+posterior N(theta_S, Lambda_S^-1) that Sec. IV-E's distance measures against (``posteriors.distance``,
+``algorithms.posterior_analysis``).
 """
 from __future__ import annotations
 
@@ -75,13 +79,14 @@ import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
 from bfedjax.algorithms.local_sgd import HESSIAN, make_sgd_client
-from bfedjax.core.types import COHORT_WEIGHT, Algorithm
+from bfedjax.core.types import COHORT_WEIGHT, Algorithm, engine_hparam
 from bfedjax.laplace.fisher import FISHER_ESTIMATORS, offline_fisher
 from bfedjax.laplace.hessian import EIGEN_ORDERS, eigenvalue_diagonal, offline_hessian
 from bfedjax.models.apply import apply_fn_of
 from bfedjax.order_statistics import kth_smallest, median
 from bfedjax.posteriors.aggregation import (gaussian_product_from_stats, gaussian_product_full_from_stats,
                                             gaussian_product_full_stats, gaussian_product_stats)
+from bfedjax.posteriors.distance import ReferencePosterior
 from bfedjax.posteriors.gaussian import DensePrecision, DiagGaussian
 from bfedjax.tasks import classification
 from bfedjax.tree import tree_zeros_like
@@ -148,15 +153,6 @@ PROFILES = {
 }
 
 
-def engine_hparam(hparams, name: str, user: str, what: str, alternative: str = ""):
-    """``hparams[name]``, which the engine adds to every aggregation; a one-line error naming the fix when an
-    aggregation is called without it."""
-    if name not in (hparams or {}):
-        raise ValueError(f"{user} needs hparams[{name!r}] ({what}); fix: aggregate through the engine "
-                         f"(finish_round / make_round_step), which adds it{alternative}")
-    return hparams[name]
-
-
 def prune_precision(precision, p: float):
     """FOLA's parameter compression, leaf by leaf: the authors' threshold is the ``floor(p n)``-th largest of
     the leaf's ``n`` precisions (0-based); entries below it are replaced by their mean, so a client sends
@@ -178,11 +174,48 @@ def accumulates(cfg: FolaConfig) -> bool:
     return cfg.laplace != "diagonal_fisher" if cfg.offline_accumulates is None else cfg.offline_accumulates
 
 
+def fola_config(profile: str = "default", other_arguments: tuple = ("profile",), **options) -> FolaConfig:
+    """``PROFILES[profile]`` with ``options`` (``FolaConfig`` fields) replaced; a one-line error naming the valid
+    choices for an unknown profile or option (``other_arguments``: the caller's own, listed as valid too)."""
+    if profile not in PROFILES:
+        raise ValueError(f"FOLA profile={profile!r}; choose one of {tuple(PROFILES)}")
+    fields = [f.name for f in dataclasses.fields(FolaConfig)]
+    unknown = set(options) - set(fields)
+    if unknown:
+        raise ValueError(f"unknown FOLA options {sorted(unknown)}; valid: {list(other_arguments) + fields}")
+    return dataclasses.replace(PROFILES[profile], **options)
+
+
+def running_sum_of_rounds(cfg: FolaConfig) -> bool:
+    """Whether the server's precision is the running sum omega_S = r Lambda_S after round r (Eq. 25) rather than
+    Lambda_S itself (the running average of Eq. 24, or offline curvature sent alone)."""
+    return accumulates(cfg) and cfg.precision_mode == "running_sum"
+
+
+def global_precision(precision, rounds, cfg: FolaConfig):
+    """Lambda_S, the global posterior's precision, from the server's ``precision`` after ``rounds`` rounds (a
+    pytree of the model's shapes, or ``[d, d]`` for ``laplace="full"``)."""
+    if not running_sum_of_rounds(cfg):
+        return precision
+    return jax.tree.map(lambda w: w / jnp.asarray(rounds).astype(w.dtype), precision)
+
+
+def reference_posterior(server, rounds: int, profile: str = "default", **options) -> ReferencePosterior:
+    """The global posterior ``N(theta_S, Lambda_S^-1)`` of a FOLA server state after ``rounds`` rounds, as the
+    known posterior of Sec. IV-E's distance (``posteriors.distance``; the paper takes it from a converged
+    full-Laplace run). ``profile`` and ``options`` are the ``fola`` run's (``FolaConfig`` fields), which say how
+    its precision accumulated. The mean is the model's parameter pytree; the precision a pytree like it, or a
+    ``DensePrecision`` over the raveled parameters for ``laplace="full"``."""
+    cfg = fola_config(profile, ("server", "rounds", "profile"), **options)
+    precision = global_precision(server["precision"], rounds, cfg)
+    return ReferencePosterior(server["params"], DensePrecision(precision) if cfg.laplace == "full" else precision)
+
+
 def prior_precision(server, round_index, cfg: FolaConfig):
     """Precision of the client prior in round ``round_index`` (1-based) from the server state (for
     ``laplace="full"`` a ``DensePrecision``)."""
     precision = server["precision"]
-    running_sum = accumulates(cfg) and cfg.precision_mode == "running_sum"
+    running_sum = running_sum_of_rounds(cfg)
     if cfg.laplace == "full":  # the server's matrix as it is, scaled where it meets a vector
         return DensePrecision(precision, 1.0 / round_index if running_sum else 1.0, cfg.gamma)
     if running_sum:
@@ -220,14 +253,8 @@ def fola(model, *, lr: float = 0.01, lam: float | None = None, local_epochs: int
       an ``Algorithm``; its message is ``{"params", "precision"}`` (pytrees of the model's shapes; ``[d, d]``
       precision for ``laplace="full"``), and so is its server state.
     """
-    if profile not in PROFILES:
-        raise ValueError(f"FOLA profile={profile!r}; choose one of {tuple(PROFILES)}")
-    unknown = set(options) - {f.name for f in dataclasses.fields(FolaConfig)}
-    if unknown:
-        valid = ["lr", "lam", "local_epochs", "batch_size", "profile"] + [f.name for f in dataclasses.fields(FolaConfig)]
-        raise ValueError(f"unknown FOLA options {sorted(unknown)}; valid: {valid}")
+    cfg = fola_config(profile, ("lr", "lam", "local_epochs", "batch_size", "profile"), **options)
     lam = PROFILE_LAM[profile] if lam is None else lam
-    cfg = dataclasses.replace(PROFILES[profile], **options)
     hessian_based, dense = cfg.laplace != "diagonal_fisher", cfg.laplace == "full"
     online = None if cfg.fisher == "offline" else HESSIAN if hessian_based else cfg.fisher
     apply_fn = apply_fn_of(model)
@@ -303,17 +330,16 @@ def fola(model, *, lr: float = 0.01, lam: float | None = None, local_epochs: int
             # With eps = 0 (the paper) a coordinate no client has curvature for is 0 / 0: it keeps its mean.
             params = jax.tree.map(lambda m, p, old: jnp.where(p + cfg.eps > 0, m, old), posterior.mean, precision,
                                   server["params"])
-        metrics = precision_diagnostics(global_precision(precision, hparams)) if cfg.precision_diagnostics else {}
+        metrics = precision_diagnostics(diagnosed_precision(precision, hparams)) if cfg.precision_diagnostics else {}
         return {"params": params, "precision": precision}, metrics
 
-    def global_precision(precision, hparams):
-        """Lambda_S of the spec's diagnostics: the running sum omega_S (``precision_mode="running_sum"``) is
-        r Lambda_S after round r (Eq. 25); the running average is Lambda_S itself."""
-        if not (accumulates(cfg) and cfg.precision_mode == "running_sum"):
+    def diagnosed_precision(precision, hparams):
+        """Lambda_S of the spec's diagnostics (``global_precision``) from the round's aggregated precision."""
+        if not running_sum_of_rounds(cfg):
             return precision
-        r = engine_hparam(hparams, "round", "FOLA's precision diagnostics", "Lambda_S = omega_S / r",
-                          " or fola(..., precision_diagnostics=False)")
-        return jax.tree.map(lambda w: w / jnp.asarray(r).astype(w.dtype), precision)
+        return global_precision(precision, engine_hparam(hparams, "round", "FOLA's precision diagnostics",
+                                                         "Lambda_S = omega_S / r",
+                                                         " or fola(..., precision_diagnostics=False)"), cfg)
 
     def scaled_to_fixed_pi(stats, hparams):
         share = engine_hparam(hparams, COHORT_WEIGHT, "FOLA fixed_pi", "the cohort's sum of pi_n")

@@ -33,6 +33,15 @@ COHORT_WEIGHT = "cohort_weight"
 ENGINE_HPARAMS = ("round", COHORT_WEIGHT)
 
 
+def engine_hparam(hparams, name: str, user: str, what: str, alternative: str = ""):
+    """``hparams[name]``, one of ``ENGINE_HPARAMS``, which the engine adds to every aggregation; a one-line error
+    naming the fix when an aggregation is called without it (``user`` needs it for ``what``)."""
+    if name not in (hparams or {}):
+        raise ValueError(f"{user} needs hparams[{name!r}] ({what}); fix: aggregate through the engine "
+                         f"(finish_round / make_round_step), which adds it{alternative}")
+    return hparams[name]
+
+
 class ClientData(NamedTuple):
     """One client's padded data (inside the round every leaf gains ``[C]``).
 
@@ -281,6 +290,7 @@ class Algorithm:
         return dataclasses.replace(self, **changes)
 
 
-__all__ = ["COHORT_WEIGHT", "Algorithm", "Batch", "ClientContext", "ClientData", "ClientFinalFn", "ClientInitFn",
+__all__ = ["COHORT_WEIGHT", "ENGINE_HPARAMS", "Algorithm", "Batch", "ClientContext", "ClientData", "ClientFinalFn", "ClientInitFn",
            "ClientStatsFn", "ClientStepFn", "EvaluateClientFn", "EvaluateFn", "GlobalParamsFn", "HParams", "InitParamsFn", "Metrics", "PersistentInitFn",
-           "PredictFn", "PyTree", "ServerFromStatsFn", "ServerInitFn", "ServerUpdateFn"]
+           "PredictFn", "PyTree", "ServerFromStatsFn", "ServerInitFn", "ServerUpdateFn",
+           "engine_hparam"]
