@@ -143,7 +143,8 @@ flags.DEFINE_enum("lr_schedule", "constant", list(bf.core.SCHEDULES),
                   "(exponential: lr*exp(-rate*(r-start)), the spec's reading of Fischer et al.).")
 flags.DEFINE_integer("lr_decay_start", 50, "Rounds at the full learning rate before the decay.")
 flags.DEFINE_float("lr_decay_rate", 0.04, "Decay rate of --lr_schedule.")
-flags.DEFINE_integer("test_samples", 10, "MC samples of the final predictive (bfl, MC dropout) for summary.json.")
+flags.DEFINE_integer("test_samples", 50, "MC samples of the final predictive (bfl, MC dropout) for summary.json "
+                     "(Fischer et al. spec D9: 50).")
 flags.DEFINE_integer("seed", 0, "Seed of partition, init and training.")
 flags.DEFINE_float("pretrain_fraction", 0.0, "Pre-train the global model before round 1 on this stratified "
                    "fraction of the training set (Fischer et al.'s DWC protocol, 0.1).")

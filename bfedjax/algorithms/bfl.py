@@ -64,7 +64,7 @@ def _variational_posterior(loc_tree, scale_tree, variational) -> DiagGaussian:
 def bfl(model, input_shape, *, rule: str = "wc", weighting: str = "by_size", prior_update: bool = False,
         lr: float = 1e-3, local_epochs: int = 1, batch_size: int = 32, dwc_guard: str = "conflation",
         dwc_floor_ratio: float = 1.0, prior_scale: float = 10.0, init_scale: float = MeanFieldConfig.init_scale,
-        variational_biases: bool = False, train_samples: int = 1, test_samples: int = 10,
+        variational_biases: bool = False, train_samples: int = 1, test_samples: int = 50,
         gradient_estimator: str = "flipout", init_loc: str = MeanFieldConfig.init_loc,
         init_loc_std: float = MeanFieldConfig.init_loc_std, kl_divisor: str = "client",
         total_size: int | None = None, kl_beta: float = 1.0, kl_anneal_rounds: int = 0,

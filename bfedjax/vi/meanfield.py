@@ -106,7 +106,7 @@ class MeanFieldConfig:
     init_loc_std: float = 0.1
     variational_biases: bool = False
     train_samples: int = 1
-    test_samples: int = 10
+    test_samples: int = 50  # Fischer et al. spec D9
     learning_rate: float = 1e-3
     gradient_estimator: str = "flipout"
     optimizer: str = "adam"
