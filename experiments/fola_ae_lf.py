@@ -156,7 +156,8 @@ def correlation_run(alpha: float) -> dict:
 def area(pis, accuracies) -> float:
     """The area under the curve ``accuracies`` over the sorted grid ``pis`` (trapezoid rule)."""
     order = np.argsort(pis)
-    return float(np.trapezoid(np.asarray(accuracies)[order], np.asarray(pis)[order]))
+    x, y = np.asarray(pis, float)[order], np.asarray(accuracies, float)[order]
+    return float(np.sum(np.diff(x) * (y[1:] + y[:-1]) / 2))
 
 
 def ae_points(study: dict) -> dict:
@@ -180,7 +181,8 @@ def report(curves: dict, studies: list[dict]) -> str:
     """The Markdown report of the curve runs and the alphas' studies."""
     pis = [float(p) for p in FLAGS.pis]
     lines = [f"# FOLA Sec. IV-E: aggregation error and local forgetting (Figs. 10b-c, 12), {FLAGS.dataset}", "",
-             f"Regenerate: `python -m experiments.fola_ae_lf --dataset={FLAGS.dataset} --curve_methods={','.join(curves)} "
+             f"Regenerate: `python -m experiments.fola_ae_lf --dataset={FLAGS.dataset} "
+             f"--curve_methods={','.join(curves)} "
              f"--curve_rounds={','.join(FLAGS.curve_rounds)} --pis={','.join(FLAGS.pis)} "
              f"--alphas={','.join(str(s['alpha']) for s in studies)} --reference_rounds={FLAGS.reference_rounds} "
              f"--ae_round={FLAGS.ae_round} --lf_epochs={','.join(FLAGS.lf_epochs)}` "
@@ -196,8 +198,8 @@ def report(curves: dict, studies: list[dict]) -> str:
             curve = run["curves"][r]
             lines.append(f"| {method} | " + " | ".join(f"{a:.4f}" for a in curve) + f" | {area(pis, curve):.4f} |")
         lines.append("")
-    if 0.51 in pis:
-        gaps = [abs(run["curves"][r][pis.index(0.51)] - run["global_accuracy"][int(r) - 1])
+    if CURVE_WEIGHTS[0] in pis:
+        gaps = [abs(run["curves"][r][pis.index(CURVE_WEIGHTS[0])] - run["global_accuracy"][int(r) - 1])
                 for run in curves.values() for r in FLAGS.curve_rounds]
         lines += [f"Check: at pi_1 = 0.51 every curve equals its run's GA of that round (largest difference "
                   f"{max(gaps, default=0.0):.1e}).", ""]
@@ -217,7 +219,8 @@ def report(curves: dict, studies: list[dict]) -> str:
     lines += ["", "| alpha | model / E | LF | LA |", "|---|---|---|---|"]
     for s in studies:
         for name, point in s["lf"].items():
-            lines.append(f"| {s['alpha']:g} | {name} | {point['local_forgetting']:.4g} | {point['local_accuracy']:.4f} |")
+            lines.append(f"| {s['alpha']:g} | {name} | {point['local_forgetting']:.4g} | "
+                         f"{point['local_accuracy']:.4f} |")
     lines += ["", "| alpha | points (GA, AE) | Pearson r(GA, AE) | Spearman rho(GA, AE) | points (LA, LF) | "
               "Pearson r(LA, LF) | Spearman rho(LA, LF) |", "|---|---|---|---|---|---|---|"]
     pooled = {"ae": ([], []), "lf": ([], [])}
@@ -241,7 +244,8 @@ def main(argv):
         raise app.UsageError(f"--curve_methods {unknown} are not methods here; fix: choose from {sorted(METHODS)}")
     json_path = os.path.splitext(FLAGS.results_file)[0] + ".json"
     os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
-    settings = {k: FLAGS[k].value for k in ("dataset", "curve_rounds", "pis", "reference_rounds", "ae_round", "lf_epochs")}
+    settings = {k: FLAGS[k].value
+                for k in ("dataset", "curve_rounds", "pis", "reference_rounds", "ae_round", "lf_epochs")}
     saved = {"flags": settings, "curves": {}, "studies": []}
     if FLAGS.resume and os.path.exists(json_path):
         with open(json_path) as f:

@@ -52,7 +52,8 @@ def with_posterior_distance(algorithm: Algorithm, reference: ReferencePosterior)
 
 
 def sweep_metric(pi: float) -> str:
-    """The metric name of the swept aggregate's test accuracy at client 1's weight ``pi`` (``sweep_accuracy_pi0.51``)."""
+    """The metric name of the swept aggregate's test accuracy at client 1's weight ``pi``
+    (``sweep_accuracy_pi0.51``)."""
     return f"sweep_accuracy_pi{pi:g}"
 
 

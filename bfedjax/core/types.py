@@ -290,7 +290,7 @@ class Algorithm:
         return dataclasses.replace(self, **changes)
 
 
-__all__ = ["COHORT_WEIGHT", "ENGINE_HPARAMS", "Algorithm", "Batch", "ClientContext", "ClientData", "ClientFinalFn", "ClientInitFn",
-           "ClientStatsFn", "ClientStepFn", "EvaluateClientFn", "EvaluateFn", "GlobalParamsFn", "HParams", "InitParamsFn", "Metrics", "PersistentInitFn",
-           "PredictFn", "PyTree", "ServerFromStatsFn", "ServerInitFn", "ServerUpdateFn",
-           "engine_hparam"]
+__all__ = ["COHORT_WEIGHT", "ENGINE_HPARAMS", "Algorithm", "Batch", "ClientContext", "ClientData", "ClientFinalFn",
+           "ClientInitFn", "ClientStatsFn", "ClientStepFn", "EvaluateClientFn", "EvaluateFn", "GlobalParamsFn", "HParams",
+           "InitParamsFn", "Metrics", "PersistentInitFn", "PredictFn", "PyTree", "ServerFromStatsFn", "ServerInitFn",
+           "ServerUpdateFn", "engine_hparam"]

@@ -9,7 +9,9 @@ MLPs and ResNet-20 take an optional MC-dropout rate; ``models.apply`` applies
 every model the same way.
 
 Initialisation follows the FOLA authors: Glorot (Xavier) uniform kernels and
-zero biases.
+zero biases, except where a model follows another paper's PyTorch code
+(``models.torch_init``): MobileNetV3-Small, the U-Nets (PyTorch's default
+conv init, a Xavier head) and the models built with ``torch_init``.
 
 Every model has Flax's ``dtype`` field, the compute dtype (``get_model(...,
 compute_dtype="bfloat16")``): inputs, activations, matrix products and
