@@ -16,7 +16,7 @@ the point is the run's GA, which the report checks.
 
 **Correlations (Fig. 12).** For each Dirichlet alpha of ``--alphas`` (``dirichlet_per_class`` over the two
 clients, pi_n = m_n / m), the known global posterior theta* is FOLA's full Laplace (online) after
-``--reference_rounds`` rounds (``algorithms.fola.reference_posterior``: its mean and precision Lambda_S).
+``--reference_rounds`` rounds (``algorithms.reference_posterior``: its mean and precision Lambda_S).
 D(theta, theta*) = 1/2 (theta - mu*)^T Lambda_S (theta - mu*) (``posteriors.distance``).
 (a) FedAvg, FOLA diagonal online and FOLA full online train ``--ae_round`` rounds from the initial model;
 AE = D of the aggregate after that round, against that round's GA (``algorithms.with_posterior_distance``);
@@ -130,12 +130,11 @@ def curve_run(method: str) -> dict:
 def correlation_run(alpha: float) -> dict:
     """One alpha's reference, AE points and LF points."""
     import bfedjax as bf
-    from bfedjax.algorithms.fola import reference_posterior
 
     fed, model = _federation(alpha)
     reference = _simulate(_algorithm("full_online", model, fed), fed, FLAGS.reference_rounds)
     server = reference.state.server
-    theta_star = reference_posterior(server, FLAGS.reference_rounds, "paper", laplace="full", eps=1e-5)
+    theta_star = bf.algorithms.reference_posterior(server, FLAGS.reference_rounds, "paper", laplace="full", eps=1e-5)
     out = {"alpha": alpha, "counts": [int(c) for c in fed.counts],
            "reference_global_accuracy": float(reference.metrics["global_accuracy"][-1]), "ae": {}, "lf": {}}
     for method in AE_METHODS:

@@ -1,6 +1,6 @@
 """FOLA Sec. IV-E's analysis: the distance to a known posterior (``posteriors.distance``), the AE / LF layer and
 the pi_1 sweep (``algorithms.posterior_analysis``), and a FOLA run's global posterior
-(``algorithms.fola.reference_posterior``)."""
+(``algorithms.reference_posterior``)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +8,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 import bfedjax as bf
-from bfedjax.algorithms.fola import reference_posterior
+from bfedjax.algorithms import reference_posterior
 from bfedjax.algorithms.posterior_analysis import swept_aggregate, sweep_metric
 from bfedjax.core.simulate import traced_hparams
 from bfedjax.posteriors import DensePrecision

@@ -10,7 +10,7 @@ from bfedjax.algorithms.fedreg import fedreg
 from bfedjax.algorithms.fml import fml
 from bfedjax.algorithms.hbfl import hbfl
 from bfedjax.algorithms.private_models import PrivateModels
-from bfedjax.algorithms.fola import FolaConfig, fola
+from bfedjax.algorithms.fola import FolaConfig, fola, reference_posterior
 from bfedjax.algorithms.posterior_analysis import with_aggregation_sweep, with_posterior_distance
 from bfedjax.algorithms.precision_similarity import with_precision_similarity
 from bfedjax.algorithms.registry import ALGORITHMS, build, options_of
@@ -20,5 +20,5 @@ from bfedjax.algorithms.server_opt import SERVER_OPTIMIZERS, server_optimizer, w
 
 __all__ = ["ALGORITHMS", "FolaConfig", "PrivateModels", "ROBUST_RULES", "SERVER_OPTIMIZERS", "abavg", "bfl", "build",
            "fedavg", "fedcurv", "fednova", "fedprox", "fedref", "fedreg", "fedsgd", "fml", "fola", "hbfl", "options_of",
-           "scaffold", "server_optimizer", "with_aggregation_sweep", "with_posterior_distance",
+           "reference_posterior", "scaffold", "server_optimizer", "with_aggregation_sweep", "with_posterior_distance",
            "with_precision_similarity", "with_reference_model", "with_robust_aggregation", "with_server_optimizer"]

@@ -8,7 +8,7 @@ log density up to a constant,
 
 The aggregation error (AE) of a round is ``D`` of the server's aggregate, its local forgetting (LF) the
 ``pi_n``-weighted sum of ``D`` over the clients' trained models (``algorithms.posterior_analysis``). FOLA's
-``algorithms.fola.reference_posterior`` makes the ``ReferencePosterior`` of a run's server state.
+``algorithms.reference_posterior`` makes the ``ReferencePosterior`` of a run's server state.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def posterior_distance(params, reference: ReferencePosterior) -> jax.Array:
     ``params`` of the reference model's structure (``gaussian.quadratic_penalty``)."""
     if jax.tree.structure(params) != jax.tree.structure(reference.mean):
         raise ValueError("the model's parameters and the reference posterior's mean differ in structure; fix: a "
-                         "reference of the same model (e.g. fola.reference_posterior of its run)")
+                         "reference of the same model (e.g. algorithms.reference_posterior of its run)")
     precision = reference.precision
     if not isinstance(precision, DensePrecision) and jax.tree.structure(precision) != jax.tree.structure(params):
         raise ValueError("the reference precision is neither a pytree like the parameters nor a DensePrecision; "
