@@ -18,16 +18,14 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from bfedjax.core.types import Algorithm, engine_hparam
+from bfedjax.core.types import Algorithm, engine_hparam, require_message_keys
 from bfedjax.posteriors.distance import ReferencePosterior, posterior_distance
 
 
 def _needs_params(algorithm: Algorithm, messages, layer: str) -> None:
-    if not isinstance(messages, dict) or "params" not in messages:
-        got = sorted(messages) if isinstance(messages, dict) else type(messages).__name__
-        raise ValueError(f"{layer} scores the clients' trained models (message 'params'); {algorithm.name} sends "
-                         f"{got}; fix: use it with an algorithm whose message holds the local model (fedavg, fola, "
-                         "fedprox, ...)")
+    require_message_keys(messages, ("params",), layer, "the clients' trained models (message 'params')",
+                         algorithm.name, "use it with an algorithm whose message holds the local model (fedavg, "
+                         "fola, fedprox, ...)")
 
 
 def with_posterior_distance(algorithm: Algorithm, reference: ReferencePosterior) -> Algorithm:

@@ -1,7 +1,7 @@
 """A layer reporting how alike the cohort's precisions are (FOLA Fig. 11a), on any Gaussian-message algorithm."""
 from __future__ import annotations
 
-from bfedjax.core.types import Algorithm
+from bfedjax.core.types import Algorithm, require_message_keys
 from bfedjax.models import num_params
 from bfedjax.posteriors.similarity import mean_pairwise_precision_cosine
 
@@ -16,11 +16,9 @@ def with_precision_similarity(algorithm: Algorithm) -> Algorithm:
     (``[K, d, d]`` for full precisions), which the pairwise comparison needs.
     """
     def server_update(server, messages, weights, mask, hparams, key):
-        if not isinstance(messages, dict) or not {"params", "precision"} <= set(messages):
-            got = sorted(messages) if isinstance(messages, dict) else type(messages).__name__
-            raise ValueError(f"precision similarity needs Gaussian messages ('params' and 'precision'); "
-                             f"{algorithm.name} sends {got}; fix: use it with fola, fedcurv's authors variant or "
-                             "another method sending both")
+        require_message_keys(messages, ("params", "precision"), "precision similarity",
+                             "Gaussian messages ('params' and 'precision')", algorithm.name,
+                             "use it with fola, fedcurv's authors variant or another method sending both")
         d = num_params(messages["params"]) // mask.shape[0]
         cosine = mean_pairwise_precision_cosine(messages["precision"], d, mask)
         server, metrics = algorithm.aggregate(server, messages, weights, mask, hparams, key)

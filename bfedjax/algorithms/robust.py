@@ -28,7 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from bfedjax.core.types import COHORT_WEIGHT, Algorithm
+from bfedjax.core.types import COHORT_WEIGHT, Algorithm, require_message_keys
 from bfedjax.posteriors.gaussian import DiagGaussian
 from bfedjax.posteriors.robust import (bound_update_norms, coordinate_median, krum_selection, robust_product,
                                        trimmed_mean)
@@ -89,9 +89,9 @@ def with_robust_aggregation(algorithm: Algorithm, rule: str = "median", *, trim:
                 hparams = {**hparams, COHORT_WEIGHT: hparams[COHORT_WEIGHT] * total}
         messages = {**messages, "params": params}
         if rule == "robust_product":
-            if "precision" not in messages:
-                raise ValueError(f"robust_product needs Gaussian messages ('params' and 'precision'); "
-                                 f"{algorithm.name} sends {sorted(messages)}; fix: use median or trimmed_mean")
+            require_message_keys(messages, ("params", "precision"), "robust_product",
+                                 "Gaussian messages ('params' and 'precision')", algorithm.name,
+                                 "use median or trimmed_mean")
             product = robust_product(DiagGaussian(params, messages["precision"]), weights, mask, trim=trim,
                                      precision_cap=precision_cap)
             messages = {**messages, "params": _broadcast_to_real(product.mean, params, mask),

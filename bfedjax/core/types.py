@@ -42,6 +42,15 @@ def engine_hparam(hparams, name: str, user: str, what: str, alternative: str = "
     return hparams[name]
 
 
+def require_message_keys(messages, keys, user: str, what: str, sender: str, fix: str) -> None:
+    """A one-line error naming ``fix`` unless the cohort's ``messages`` are a dict holding every key in ``keys``
+    (for layers that read the messages: ``user`` needs ``what``, which the algorithm ``sender`` does not send)."""
+    if isinstance(messages, dict) and set(keys) <= set(messages):
+        return
+    got = sorted(messages) if isinstance(messages, dict) else type(messages).__name__
+    raise ValueError(f"{user} needs {what}; {sender} sends {got}; fix: {fix}")
+
+
 class ClientData(NamedTuple):
     """One client's padded data (inside the round every leaf gains ``[C]``).
 
@@ -293,4 +302,4 @@ class Algorithm:
 __all__ = ["COHORT_WEIGHT", "ENGINE_HPARAMS", "Algorithm", "Batch", "ClientContext", "ClientData", "ClientFinalFn",
            "ClientInitFn", "ClientStatsFn", "ClientStepFn", "EvaluateClientFn", "EvaluateFn", "GlobalParamsFn", "HParams",
            "InitParamsFn", "Metrics", "PersistentInitFn", "PredictFn", "PyTree", "ServerFromStatsFn", "ServerInitFn",
-           "ServerUpdateFn", "engine_hparam"]
+           "ServerUpdateFn", "engine_hparam", "require_message_keys"]
