@@ -17,7 +17,8 @@ import jax.numpy as jnp
 
 from bfedjax.losses import masked_mean_cross_entropy
 from bfedjax.metrics.classification import evaluate as classification_metrics
-from bfedjax.metrics.classification import EVAL_BATCH_SIZE, map_real_batches, padded_batches
+from bfedjax.metrics.classification import (EVAL_BATCH_SIZE, MC_EVAL_SAMPLES, MC_EVAL_SEED, map_real_batches,
+                                             padded_batches, predictive_evaluate)
 from bfedjax.models.apply import apply_fn_of, has_dropout, mc_predict_proba
 
 
@@ -65,19 +66,29 @@ def in_batches(fn: Callable, x: jax.Array, batch_size: int) -> jax.Array:
 PREDICT_BATCH_SIZE = 500  # test examples per predictive batch (M samples of each are held at once)
 
 
-def classification(model, *, eval_batch_size: int = EVAL_BATCH_SIZE, predict_batch_size: int = PREDICT_BATCH_SIZE) -> Task:
+def classification(model, *, eval_batch_size: int = EVAL_BATCH_SIZE, predict_batch_size: int = PREDICT_BATCH_SIZE,
+                   eval_samples: int = MC_EVAL_SAMPLES) -> Task:
     """A classifier producing logits ``[B, K]`` from integer labels ``y [B]``.
 
     evaluate: top-1 ``accuracy`` and mean cross-entropy ``loss`` of the test set, in
-    batches of ``eval_batch_size``. predict: the softmax (``M = 1``), or ``num_samples``
-    MC-dropout passes for a model with dropout, in batches of ``predict_batch_size``.
+    batches of ``eval_batch_size``. For a model with dropout (MC dropout, kept on at test time: Fischer et al.
+    spec D20) they are the accuracy and NLL of its ``eval_samples``-pass MC predictive
+    (``metrics.classification.predictive_evaluate``; ``eval_samples=0``: one pass with dropout off).
+    predict: the softmax (``M = 1``), or ``num_samples`` MC-dropout passes for a model with dropout, in
+    batches of ``predict_batch_size``.
     """
+    if eval_samples < 0:
+        raise ValueError(f"eval_samples={eval_samples} must be >= 0 (0: dropout off; spec D9: {MC_EVAL_SAMPLES})")
     apply_fn = apply_fn_of(model)
 
     def loss(params, batch):
         return masked_mean_cross_entropy(apply_fn, params, batch)
 
     def evaluate(params, x, y, mask=None):
+        if has_dropout(model) and eval_samples:
+            return predictive_evaluate(
+                lambda xb: mc_predict_proba(model, params, xb, jax.random.PRNGKey(MC_EVAL_SEED), eval_samples), x, y,
+                eval_batch_size, mask)
         return classification_metrics(apply_fn, params, x, y, eval_batch_size, mask)
 
     def predict(params, x, key, num_samples: int):

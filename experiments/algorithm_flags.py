@@ -76,6 +76,7 @@ OPTION_FLAGS = {
     "prior_scale": ("prior_scale", ("bfl",)),
     "variational_biases": ("variational_biases", ("bfl",)),
     "train_samples": ("train_samples", ("bfl",)),
+    "eval_samples": ("eval_samples", ("bfl",)),
     "gradient_estimator": ("gradient_estimator", ("bfl",)),
     "init_loc": ("init_loc", ("bfl",)),
     "init_loc_std": ("init_loc_std", ("bfl",)),
@@ -203,6 +204,8 @@ def define(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     number(flags.DEFINE_float, "prior_scale", "bfl: std of the N(0, s^2) weight prior (default 10).")
     boolean("variational_biases", "bfl: biases variational too (default: point estimates).")
     number(flags.DEFINE_integer, "train_samples", "bfl: MC samples of the ELBO per step (default 1).")
+    number(flags.DEFINE_integer, "eval_samples", "bfl: MC samples of the per-round GA / LA predictive (default 50, "
+           "spec D9; 0: score the posterior mean, one pass).")
     enum("gradient_estimator", GRADIENT_ESTIMATORS,
          "bfl: gradient estimator of the expected log-likelihood (default flipout: per-example sign-flipped "
          "kernel noise; local_reparameterization: each output unit drawn from its Gaussian given the input; "

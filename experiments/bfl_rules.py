@@ -72,7 +72,9 @@ def run_one(data, method, partition, epochs, rounds, seed):
     else:
         algo = bf.algorithms.build("bfl", model, fed, rule=method, lr=FLAGS.lr, test_samples=FLAGS.test_samples,
                                    gradient_estimator=FLAGS.gradient_estimator, init_loc=FLAGS.init_loc, **setting)
-    res = bf.simulate(algo, fed, rounds=rounds, key=jax.random.PRNGKey(seed), evaluate_local=False)
+    # the table scores the final predictive below: no per-round evaluation before the last round
+    res = bf.simulate(algo, fed, rounds=rounds, key=jax.random.PRNGKey(seed), evaluate_local=False,
+                      evaluate_every=rounds)
     x, y = jnp.asarray(fed.x_test), jnp.asarray(fed.y_test)
     probs = algo.predict(res.state.server, x, jax.random.PRNGKey(1000 + seed), FLAGS.test_samples)
     scale = float("nan") if method in BASELINES else res.metrics["mean_posterior_scale"][-1]

@@ -37,6 +37,24 @@ def test_an_algorithm_needs_one_aggregation_and_its_own_hyperparameters():
         traced_hparams(algo, 1, {"lam": 1.0})
 
 
+def test_evaluated_model_chooses_what_ga_and_la_score(small_fed):
+    """The evaluate hook scores ``evaluated_model`` of the server state (GA) and of every message (LA); without the
+    hook it scores ``global_params(server)`` and the messages' ``"params"``."""
+    parts = {**_parts(), "server_init": lambda params: {"params": params, "shadow": params - 1.0},
+             "client_final": lambda local, ctx: ({"params": local, "shadow": local + 2.0}, (), {})}
+    update = lambda server, messages, weights, mask, hparams, key: (
+        {"params": server["params"], "shadow": server["params"] - 1.0}, {})
+    value = lambda model, x, y, mask=None: {"value": jnp.sum(model)}
+    plain = bf.Algorithm("plain", server_update=update, evaluate=value, **parts)
+    shadowed = plain.replace(evaluated_model=lambda state: state["shadow"])
+    runs = {algo.name: bf.simulate(algo, small_fed, rounds=1, key=jax.random.PRNGKey(0), init_params=jnp.zeros(3))
+            for algo in (plain, shadowed.replace(name="shadowed"))}
+    np.testing.assert_allclose([runs["plain"].metrics["global_value"][0], runs["plain"].metrics["local_value"][0]],
+                               [0.0, 0.0])
+    np.testing.assert_allclose([runs["shadowed"].metrics["global_value"][0],
+                                runs["shadowed"].metrics["local_value"][0]], [-3.0, 6.0], rtol=1e-6)
+
+
 def test_simulate_says_how_to_initialise_an_algorithm_without_an_init_hook(small_fed):
     algo = bf.Algorithm("bare", server_update=lambda s, m, w, mask, hp, key: (s, {}), **_parts())
     with pytest.raises(ValueError, match="pass simulate\\(..., init_params=...\\)"):

@@ -97,6 +97,29 @@ def test_bfl_learns_and_reports_posterior_scale(digits, vi_model):
     assert 0 < float(summary["nll"]) < 5 and 0 <= float(summary["ece"]) <= 1
 
 
+def test_ga_and_la_score_the_mc_predictive(small_fed, vi_model):
+    """Per-round GA / loss are the accuracy and NLL of the global posterior's eval_samples-sample predictive (the
+    quantities the final summary reports); eval_samples=0 scores the posterior mean."""
+    x, y = jnp.asarray(small_fed.x_test), jnp.asarray(small_fed.y_test)
+    runs = {m: bf.simulate(bf.algorithms.bfl(vi_model, small_fed.input_shape, rule="nwa", lr=1e-2, eval_samples=m,
+                                             init_scale=0.3), small_fed, rounds=2, key=jax.random.PRNGKey(0))
+            for m in (8, 0)}
+    for run in runs.values():  # the same training: evaluation draws from its own key
+        chex.assert_trees_all_close(run.state.server, runs[0].state.server)
+    server = runs[8].state.server
+    vi = MeanFieldVI(vi_model, small_fed.input_shape)
+    summary = uncertainty.summary(vi.predict_proba(server, x, jax.random.PRNGKey(bf.metrics.classification.MC_EVAL_SEED), num_samples=8), y)
+    np.testing.assert_allclose(runs[8].metrics["global_accuracy"][-1], summary["accuracy"], atol=1e-6)
+    np.testing.assert_allclose(runs[8].metrics["global_loss"][-1], summary["nll"], rtol=1e-5)
+    mean_scores = bf.metrics.evaluate(bf.models.apply_fn_of(vi_model), server["params"], x, y)
+    np.testing.assert_allclose(runs[0].metrics["global_loss"][-1], mean_scores["loss"], rtol=1e-5)
+    assert abs(runs[8].metrics["global_loss"][-1] - runs[0].metrics["global_loss"][-1]) > 1e-3  # sampling shows
+    # LA: the weighted MC scores of the local posteriors, which differ from their means' too
+    assert abs(runs[8].metrics["local_loss"][-1] - runs[0].metrics["local_loss"][-1]) > 1e-3
+    with pytest.raises(ValueError, match="eval_samples=-1 must be >= 0"):
+        bf.algorithms.bfl(vi_model, small_fed.input_shape, eval_samples=-1)
+
+
 def test_bad_rule_and_weighting(vi_model):
     with pytest.raises(ValueError, match="rule"):
         bf.algorithms.bfl(vi_model, (8, 8, 1), rule="median")

@@ -9,6 +9,7 @@ import pytest
 from flax import traverse_util
 
 import bfedjax as bf
+from bfedjax.metrics import uncertainty
 from bfedjax.models import apply as model_apply
 from bfedjax.models.resnet import ResNet20, resnet20_param_count
 
@@ -56,6 +57,26 @@ def test_mc_dropout_samples_differ_and_inference_is_deterministic():
         bf.models.get_model("lenet", 10, dropout_rate=0.2)
     with pytest.raises(ValueError, match="MC dropout"):
         bf.models.mc_predict_proba(bf.models.get_model("mlp", 10), params, x, jax.random.PRNGKey(0), 2)
+
+
+def test_an_mc_dropout_model_is_scored_by_its_mc_predictive():
+    """The classification task scores a dropout model by the accuracy and NLL of its eval_samples-pass MC
+    predictive (dropout on at test time, spec D20), with the padding mask honoured; eval_samples=0: dropout off."""
+    model = bf.models.get_model("mlp", 10, hidden=(32,), dropout_rate=0.5)
+    params = bf.models.init_params(model, (8, 8, 1), jax.random.PRNGKey(0))
+    x = jax.random.normal(jax.random.PRNGKey(1), (30, 8, 8, 1))
+    y = jax.random.randint(jax.random.PRNGKey(2), (30,), 0, 10)
+    probs = bf.models.mc_predict_proba(model, params, x, jax.random.PRNGKey(bf.metrics.classification.MC_EVAL_SEED), 6)
+    p_bar = uncertainty.predictive(probs)
+    scores = bf.tasks.classification(model, eval_samples=6).evaluate(params, x, y)
+    np.testing.assert_allclose([scores["accuracy"], scores["loss"]],
+                               [uncertainty.accuracy(p_bar, y), uncertainty.nll(p_bar, y)], rtol=1e-5)
+    mask = (jnp.arange(30) < 20).astype(jnp.float32)
+    masked = bf.tasks.classification(model, eval_samples=6).evaluate(params, x, y, mask)
+    np.testing.assert_allclose(masked["loss"], uncertainty.nll(p_bar[:20], y[:20]), rtol=1e-5)
+    off = bf.tasks.classification(model, eval_samples=0).evaluate(params, x, y)
+    np.testing.assert_allclose(off["loss"], bf.metrics.evaluate(bf.models.apply_fn_of(model), params, x, y)["loss"])
+    assert abs(float(off["loss"]) - float(scores["loss"])) > 1e-4
 
 
 @pytest.fixture(scope="module")

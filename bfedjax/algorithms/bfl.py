@@ -11,6 +11,11 @@ each client's ELBO prior is the global posterior it received.
 Server metrics every round: ``mean_posterior_scale`` (of the variational
 leaves), ``dwc_guard_hits`` (weights whose DWC precision the guard changed)
 and ``scale_floor_hits`` (scales raised to the floor ``scale_min``, ``SCALE_MIN`` by default).
+
+GA and LA (the evaluate hook, every evaluated round) score the posterior's MC predictive, ``eval_samples``
+weight samples averaged (Eq. 7): accuracy of its argmax and NLL -log p_bar[y] as ``loss`` (spec D9), the
+quantities of the paper's curves. Every evaluation draws from the same key, so rounds and clients are compared
+on common random numbers; ``eval_samples=0`` scores the posterior mean in one pass instead.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import jax.numpy as jnp
 from flax import traverse_util
 
 from bfedjax.core.types import Algorithm
+from bfedjax.metrics.classification import MC_EVAL_SAMPLES, MC_EVAL_SEED, predictive_evaluate
 from bfedjax.posteriors import aggregation
 from bfedjax.posteriors import weighting as weightings
 from bfedjax.posteriors.gaussian import DiagGaussian
@@ -65,6 +71,7 @@ def bfl(model, input_shape, *, rule: str = "wc", weighting: str = "by_size", pri
         lr: float = 1e-3, local_epochs: int = 1, batch_size: int = 32, dwc_guard: str = "conflation",
         dwc_floor_ratio: float = 1.0, prior_scale: float = 10.0, init_scale: float = MeanFieldConfig.init_scale,
         variational_biases: bool = False, train_samples: int = 1, test_samples: int = 50,
+        eval_samples: int = MC_EVAL_SAMPLES,
         gradient_estimator: str = "flipout", init_loc: str = MeanFieldConfig.init_loc,
         init_loc_std: float = MeanFieldConfig.init_loc_std, kl_divisor: str = "client",
         total_size: int | None = None, kl_beta: float = 1.0, kl_anneal_rounds: int = 0,
@@ -84,6 +91,8 @@ def bfl(model, input_shape, *, rule: str = "wc", weighting: str = "by_size", pri
         (``aggregation.distributed_weight_consolidation``).
       prior_scale, init_scale, variational_biases, train_samples, test_samples, gradient_estimator: the
         variational clients' ``vi.MeanFieldConfig``; ``lr`` is their optimiser's step.
+      eval_samples: M of the per-round GA / LA MC predictive (spec D9: 50); 0 scores the posterior mean
+        (one pass, M times cheaper; the library's behaviour before 2026-12).
       optimizer, momentum: the clients' optimiser (spec D7): ``"adam"`` (default) or ``"sgd"`` with
         heavy-ball ``momentum``; its state starts afresh every round. Both step on spec D5's per-sample
         loss, ``mean CE + KL / |D_k|`` (SGD: ``lr / |D_k|`` on SVI's whole-data negative ELBO).
@@ -98,8 +107,8 @@ def bfl(model, input_shape, *, rule: str = "wc", weighting: str = "by_size", pri
         schedule it); ``kl_anneal_rounds`` ramps it linearly from ``kl_beta / kl_anneal_rounds``
         in round 1 to ``kl_beta`` from round ``kl_anneal_rounds`` on.
 
-    The server state is ``{"params": loc, "scale": scale}``; GA evaluates the
-    posterior mean, and ``predict`` is the MC predictive of the posterior.
+    The server state and every message are ``{"params": loc, "scale": scale}``; GA and LA score their MC
+    predictive (``eval_samples``), and ``predict`` is the global posterior's MC predictive.
     """
     if rule not in RULES:
         raise ValueError(f"rule={rule!r}; choose one of {RULES}")
@@ -120,6 +129,8 @@ def bfl(model, input_shape, *, rule: str = "wc", weighting: str = "by_size", pri
         raise ValueError(f"prior_temperature={prior_temperature} must be in (0, 1] (1: the global posterior itself)")
     if prior_temperature < 1 and not (prior_update or rule == "dwc"):
         raise ValueError(f"prior_temperature={prior_temperature} tempers the updated prior; fix: add prior_update=True")
+    if eval_samples < 0:
+        raise ValueError(f"eval_samples={eval_samples} must be >= 0 (0: score the posterior mean; spec D9: 50)")
     if kl_anneal_rounds < 0:
         raise ValueError(f"kl_anneal_rounds={kl_anneal_rounds} must be >= 0 (0: no annealing)")
     config = MeanFieldConfig(prior_scale=prior_scale, init_scale=init_scale, variational_biases=variational_biases,
@@ -209,10 +220,20 @@ def bfl(model, input_shape, *, rule: str = "wc", weighting: str = "by_size", pri
                              f"fix: bfl(model, input_shape={tuple(shape)})")
         return vi.init_params(key)
 
+    eval_key = jax.random.PRNGKey(MC_EVAL_SEED)
+
+    def evaluate_predictive(posterior, x, y, mask=None):
+        return predictive_evaluate(lambda xb: vi.predict_proba(posterior, xb, eval_key, eval_samples), x, y, mask=mask)
+
+    def posterior_of(state):
+        return {"params": state["params"], "scale": state["scale"]}
+
     task = classification(model)
+    mc = eval_samples > 0
     return Algorithm(
         name=f"bfl_{rule}", server_init=vi.posterior_from_params, client_init=client_init, client_step=client_step,
-        client_final=client_final, server_update=server_update, evaluate=task.evaluate, predict=predict,
+        client_final=client_final, server_update=server_update, evaluated_model=posterior_of if mc else None,
+        evaluate=evaluate_predictive if mc else task.evaluate, predict=predict,
         init_params=init_params, hparams={"lr": lr, "kl_beta": kl_beta}, local_epochs=local_epochs,
         batch_size=batch_size)
 

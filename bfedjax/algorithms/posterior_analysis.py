@@ -96,7 +96,7 @@ def with_aggregation_sweep(algorithm: Algorithm, pis: Sequence[float], x_test, y
         def accuracies():
             def at(pi):
                 swept = swept_aggregate(algorithm, server, messages, pi, mask, hparams, key)
-                return algorithm.evaluate(algorithm.global_params(swept), x_test, y_test)["accuracy"]
+                return algorithm.evaluate(algorithm.scored_global(swept), x_test, y_test)["accuracy"]
             return jax.lax.map(at, grid)
 
         sweep = jax.lax.cond(jnp.any(round_index == on_rounds), accuracies,

@@ -163,8 +163,8 @@ def with_client_test_metrics(algorithm: Algorithm, arrays: RoundArrays, client_i
     mask = (jnp.arange(y.shape[0]) < test.count).astype(jnp.float32)
     if algorithm.evaluate_client is not None:
         scores = algorithm.evaluate_client(message, persistent, x, y, mask, group)
-    elif algorithm.evaluate is not None and isinstance(message, dict) and "params" in message:
-        scores = algorithm.evaluate(message["params"], x, y, mask)
+    elif algorithm.scores_local(message):
+        scores = algorithm.evaluate(algorithm.scored_local(message), x, y, mask)
     else:
         return outputs
     scores = {f"client_test_{name}": value for name, value in scores.items()}

@@ -28,11 +28,12 @@ def _on_evaluation_rounds(config, hparams, metrics_fn):
 
 def local_metric_sums(algorithm, config, arrays, messages, weights, mask, hparams):
     """``{local_<name>: sum_c w_c * metric(local model c)}`` through the evaluate hook (the LA of the paper)."""
-    if not (config.evaluate_local and algorithm.evaluate is not None and "params" in messages):
+    if not (config.evaluate_local and algorithm.scores_local(messages)):
         return {}
 
     def sums():
-        scores = jax.lax.map(lambda p: algorithm.evaluate(p, arrays.x_test, arrays.y_test), messages["params"])
+        models = jax.vmap(algorithm.scored_local)(messages)  # [C, ...]: a selection of the messages' leaves
+        scores = jax.lax.map(lambda model: algorithm.evaluate(model, arrays.x_test, arrays.y_test), models)
         return {f"local_{name}": jnp.sum(jnp.where(mask > 0, weights * value, 0.0)) for name, value in scores.items()}
 
     return _on_evaluation_rounds(config, hparams, sums)
@@ -44,7 +45,7 @@ def _global_metrics(algorithm, config, arrays, server, hparams):
 
     def scores():
         return {f"global_{name}": value for name, value in
-                algorithm.evaluate(algorithm.global_params(server), arrays.x_test, arrays.y_test).items()}
+                algorithm.evaluate(algorithm.scored_global(server), arrays.x_test, arrays.y_test).items()}
 
     return _on_evaluation_rounds(config, hparams, scores)
 

@@ -155,6 +155,12 @@ class GlobalParamsFn(Protocol):
         """The global model's parameters (what the evaluate hook scores)."""
 
 
+class EvaluatedModelFn(Protocol):
+    def __call__(self, state: PyTree) -> PyTree:
+        """What ``evaluate`` scores, from the server state (the global model) or from one client's message
+        (its local model): for a Bayesian algorithm its posterior, so that GA and LA score a predictive."""
+
+
 class PersistentInitFn(Protocol):
     def __call__(self, params: PyTree, key: jax.Array, group: int) -> PyTree:
         """One client's initial persistent state (the engine stacks a group's to ``[N_group, ...]``).
@@ -165,8 +171,9 @@ class PersistentInitFn(Protocol):
 
 
 class EvaluateFn(Protocol):
-    def __call__(self, params: PyTree, x: jax.Array, y: jax.Array, mask: jax.Array | None = None) -> Metrics:
-        """Scalar metrics of a model on a test set ``x [T, ...]``, ``y [T, ...]`` (e.g. accuracy, loss).
+    def __call__(self, model: PyTree, x: jax.Array, y: jax.Array, mask: jax.Array | None = None) -> Metrics:
+        """Scalar metrics of a model (its parameters, or what ``evaluated_model`` gives) on a test set
+        ``x [T, ...]``, ``y [T, ...]`` (e.g. accuracy, loss).
 
         ``mask [T]`` (1 real, 0 padding) is given for padded per-client test splits.
         """
@@ -206,14 +213,19 @@ class Algorithm:
     so memory does not grow with the cohort.
 
     Optional hooks:
-      global_params: ``server -> params`` scored by ``evaluate`` (default ``server["params"]``).
+      global_params: ``server -> params``, the global model's parameters (default ``server["params"]``),
+        which ``evaluate`` scores unless ``evaluated_model`` is given.
+      evaluated_model: ``server state or one message -> what evaluate scores`` (the global model's
+        and the local models'); default: ``global_params(server)`` and the message's ``"params"``.
+        A Bayesian algorithm gives its posterior here, and an ``evaluate`` of the posterior's
+        predictive.
       persistent_init: ``(params, key, group) -> one client's persistent state`` (default: none).
-      evaluate: ``(params, x_test, y_test, mask=None) -> metrics``; the engine reports the global
-        model's as ``global_<name>`` and the local models' (messages' ``"params"``,
+      evaluate: ``(model, x_test, y_test, mask=None) -> metrics``; the engine reports the global
+        model's (``scored_global``) as ``global_<name>`` and the local models' (``scored_local``,
         weighted) as ``local_<name>``. Default: no evaluation.
       evaluate_client: ``(message, persistent, x, y, mask, group) -> metrics`` on a client's own
         test split (when the federation has per-client test splits), reported as
-        ``client_test_<name>``; default: ``evaluate`` of the message's ``"params"``.
+        ``client_test_<name>``; default: ``evaluate`` of ``scored_local(message)``.
       predict: ``(server, x, key, num_samples) -> probs [M, T, K]``, the final predictive.
       init_params: ``(key, input_shape) -> params``, used when ``simulate`` gets no
         ``init_params``.
@@ -231,6 +243,7 @@ class Algorithm:
     client_stats: ClientStatsFn | None = None
     server_from_stats: ServerFromStatsFn | None = None
     global_params: GlobalParamsFn = _server_params
+    evaluated_model: EvaluatedModelFn | None = None
     persistent_init: PersistentInitFn | None = None
     evaluate: EvaluateFn | None = None
     evaluate_client: EvaluateClientFn | None = None
@@ -264,6 +277,19 @@ class Algorithm:
     def streams(self) -> bool:
         """Whether the aggregation is a weighted sum of ``client_stats`` (chunks can stream)."""
         return self.client_stats is not None
+
+    def scored_global(self, server):
+        """What ``evaluate`` scores as the global model: ``evaluated_model(server)``, else ``global_params(server)``."""
+        return self.global_params(server) if self.evaluated_model is None else self.evaluated_model(server)
+
+    def scores_local(self, message) -> bool:
+        """Whether one client's ``message`` holds a local model ``evaluate`` can score."""
+        return self.evaluate is not None and (self.evaluated_model is not None
+                                              or (isinstance(message, dict) and "params" in message))
+
+    def scored_local(self, message):
+        """What ``evaluate`` scores as a client's local model: ``evaluated_model(message)``, else its ``"params"``."""
+        return message["params"] if self.evaluated_model is None else self.evaluated_model(message)
 
     def aggregate(self, server, messages, weights, mask, hparams, key):
         """``(server, server_metrics)``: ``server_update``, or the one derived from the statistics pair.
@@ -300,6 +326,6 @@ class Algorithm:
 
 
 __all__ = ["COHORT_WEIGHT", "ENGINE_HPARAMS", "Algorithm", "Batch", "ClientContext", "ClientData", "ClientFinalFn",
-           "ClientInitFn", "ClientStatsFn", "ClientStepFn", "EvaluateClientFn", "EvaluateFn", "GlobalParamsFn", "HParams",
+           "ClientInitFn", "ClientStatsFn", "ClientStepFn", "EvaluateClientFn", "EvaluateFn", "EvaluatedModelFn", "GlobalParamsFn", "HParams",
            "InitParamsFn", "Metrics", "PersistentInitFn", "PredictFn", "PyTree", "ServerFromStatsFn", "ServerInitFn",
            "ServerUpdateFn", "engine_hparam", "require_message_keys"]

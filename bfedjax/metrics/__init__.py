@@ -9,7 +9,7 @@ imports this package.
 import importlib
 
 from bfedjax.metrics import uncertainty
-from bfedjax.metrics.classification import accuracy, evaluate
+from bfedjax.metrics.classification import accuracy, evaluate, predictive_evaluate
 from bfedjax.metrics.rounds import best_so_far, rounds_to_fraction, rounds_to_target
 
 
@@ -19,5 +19,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'bfedjax.metrics' has no attribute {name!r}")
 
 
-__all__ = ["accuracy", "evaluate", "best_so_far", "forgetting", "rounds_to_fraction", "rounds_to_target",
+__all__ = ["accuracy", "evaluate", "predictive_evaluate", "best_so_far", "forgetting", "rounds_to_fraction", "rounds_to_target",
            "segmentation", "uncertainty"]

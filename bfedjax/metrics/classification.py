@@ -7,11 +7,16 @@ import jax
 import jax.numpy as jnp
 
 from bfedjax.losses import cross_entropy
+from bfedjax.metrics.uncertainty import point_nll
 
 # Test examples per evaluation batch. Smaller batches stay in the CPU's caches (CNN2 on the 10,000
 # Fashion-MNIST test images, 2 cores: 0.62 s in batches of 250, 0.95 s in batches of 1,000;
 # `python -m experiments.bench_conv`) and leave less padding to score in a small client's test split.
 EVAL_BATCH_SIZE = 250
+# Per-round scores of a predictive (a posterior's, MC dropout's): M samples (Fischer et al. spec D9), all drawn from
+# one key, so rounds and clients are compared on common random numbers.
+MC_EVAL_SAMPLES = 50
+MC_EVAL_SEED = 0
 
 
 def padded_batches(x, y, batch_size: int):
@@ -42,26 +47,48 @@ def map_real_batches(score, batches, masks):
     return jax.lax.map(one, (batches, masks))
 
 
-def evaluate(apply_fn, params, x, y, batch_size: int = EVAL_BATCH_SIZE, mask=None) -> dict:
-    """``{"accuracy", "loss"}``: top-1 accuracy and mean cross-entropy of ``params`` on ``x [T, ...]``, ``y [T]``.
-
-    ``mask [T]`` (optional, 1 real / 0 padding) restricts both to the real examples
-    (a padded per-client test split); with no real example both are 0.
-    """
+def _batched_scores(per_example, x, y, batch_size: int, mask) -> dict:
+    """``{"accuracy", "loss"}`` from ``per_example(x_batch, y_batch) -> (correct [b], loss [b])``, summed over the
+    real examples of ``x [T, ...]``, ``y [T]`` (``mask [T]``, optional) in batches of ``batch_size``."""
     xb, yb, mb = padded_batches(x, y, batch_size)
     if mask is not None:
         mb = mb * padded_batches(jnp.zeros_like(y), jnp.asarray(mask, jnp.float32), batch_size)[1]
 
     def one(args):
         xi, yi, mi = args
-        logits = apply_fn(params, xi)
-        correct = jnp.sum((jnp.argmax(logits, -1) == yi) * mi)
-        loss = jnp.sum(cross_entropy(logits, yi) * mi)
-        return correct, loss
+        correct, loss = per_example(xi, yi)
+        return jnp.sum(correct * mi), jnp.sum(loss * mi)
 
     correct, loss = map_real_batches(one, (xb, yb, mb), mb)
     t = y.shape[0] if mask is None else jnp.maximum(jnp.sum(mask), 1.0)
     return {"accuracy": jnp.sum(correct) / t, "loss": jnp.sum(loss) / t}
+
+
+def evaluate(apply_fn, params, x, y, batch_size: int = EVAL_BATCH_SIZE, mask=None) -> dict:
+    """``{"accuracy", "loss"}``: top-1 accuracy and mean cross-entropy of ``params`` on ``x [T, ...]``, ``y [T]``.
+
+    ``mask [T]`` (optional, 1 real / 0 padding) restricts both to the real examples
+    (a padded per-client test split); with no real example both are 0.
+    """
+    def per_example(xi, yi):
+        logits = apply_fn(params, xi)
+        return jnp.argmax(logits, -1) == yi, cross_entropy(logits, yi)
+
+    return _batched_scores(per_example, x, y, batch_size, mask)
+
+
+def predictive_evaluate(probs_fn, x, y, batch_size: int = EVAL_BATCH_SIZE, mask=None) -> dict:
+    """``{"accuracy", "loss"}`` of an MC predictive on ``x [T, ...]``, ``y [T]`` (``mask`` as ``evaluate``'s).
+
+    ``probs_fn(x_batch [b, ...]) -> [M, b, K]``: class probabilities of M Monte Carlo samples (the same M weight
+    samples for every batch). Accuracy is the argmax of the averaged predictive p_bar = mean_m p_m (Fischer et
+    al. Eq. 7); the loss is the NLL -log p_bar[y] (spec D9), not the mean of the M samples' cross-entropies.
+    """
+    def per_example(xi, yi):
+        p_bar = jnp.mean(probs_fn(xi), axis=0)
+        return jnp.argmax(p_bar, -1) == yi, point_nll(p_bar, yi)
+
+    return _batched_scores(per_example, x, y, batch_size, mask)
 
 
 def accuracy(logits, labels):

@@ -20,9 +20,14 @@ def accuracy(p_bar, y):
     return jnp.mean(jnp.argmax(p_bar, -1) == y)
 
 
+def point_nll(p_bar, y):
+    """``[T]``: -log p_bar[y] of each test point."""
+    return -jnp.log(jnp.take_along_axis(p_bar, y[:, None].astype(jnp.int32), -1)[:, 0] + _TINY)
+
+
 def nll(p_bar, y):
     """Mean over test points of -log p_bar[y] (of the MC-averaged predictive, not the mean per-sample NLL)."""
-    return -jnp.mean(jnp.log(jnp.take_along_axis(p_bar, y[:, None], -1)[:, 0] + _TINY))
+    return jnp.mean(point_nll(p_bar, y))
 
 
 def mean_sample_nll(probs, y):
