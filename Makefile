@@ -76,7 +76,7 @@ iv-e-laplace-steps: install
 iv-e-ae-lf: install
 	$(PYTHON) -m experiments.fola_ae_lf
 
-# Fischer et al. rules + deterministic and MC-dropout FedAvg on digits -> results/bfl_rules_digits.md (about 30 min)
+# Fischer et al. rules + deterministic and MC-dropout FedAvg on digits -> results/bfl_rules_digits.md (about 32 min)
 bfl-rules: install
 	$(PYTHON) -m experiments.bfl_rules
 

@@ -125,12 +125,14 @@ def reliability_diagram_from_bins(bins: Mapping[str, Sequence[float]], ax=None, 
     return ax.figure
 
 
-def accuracy_vs_retained(curves: Mapping[str, tuple[Sequence[float], Sequence[float]]], ax=None):
+def accuracy_vs_retained(curves: Mapping[str, tuple[Sequence[float], Sequence[float]]], ax=None,
+                         ranking: str = "predictive entropy"):
     """Accuracy on the most certain fraction of the test set against that fraction, one line per run.
 
     Args:
       curves: name -> (retained fractions ``[F]``, accuracies ``[F]``), as
         ``metrics.uncertainty.accuracy_vs_retained`` gives them for its ``fractions``.
+      ranking: the uncertainty the points were ranked by (the title says it).
     Returns the figure.
     """
     ax = _axes(ax)
@@ -138,7 +140,7 @@ def accuracy_vs_retained(curves: Mapping[str, tuple[Sequence[float], Sequence[fl
         ax.plot(fractions, accuracies, marker="o", markersize=3, color=f"C{i % 10}", label=name)
     ax.set_xlabel("fraction of the test set retained (most certain first)")
     ax.set_ylabel("accuracy")
-    return _titled(ax, "Accuracy vs retained data (by predictive entropy)")
+    return _titled(ax, f"Accuracy vs retained data (by {ranking})")
 
 
 def posterior_scale(runs: Mapping[str, Mapping[str, Sequence[float]]],

@@ -5,8 +5,8 @@ r"""Turns run folders (``experiments.run --output_dir``) into PNGs.
 Draws, each only when the runs hold the data: GA (solid) and LA (dashed) learning curves of all runs
 (``learning_curves.png``), the posterior scale per round (``posterior_scale.png``: FOLA's
 ``precision_median``, bfl's ``mean_posterior_scale``, hbfl's ``mean_global_scale``), and from each run's
-``evaluation.json`` the accuracy on the most certain fraction of the test set
-(``accuracy_vs_retained.png``), one reliability diagram per run (``reliability.png``) and, with
+``evaluation.json`` the accuracy on the most certain fraction of the test set, one panel per
+uncertainty the points were ranked by (``accuracy_vs_retained.png``: entropy, aleatoric, epistemic), one reliability diagram per run (``reliability.png``) and, with
 ``--client_test_splits``, each client's accuracy (``per_client_accuracy.png``). Prints each PNG's path.
 The default ``--output_dir`` is ``plots/`` in the runs' common parent folder (one run: in the run folder).
 A folder that is not a run folder stops with one line naming the fix (``experiments.errors``).
@@ -20,6 +20,7 @@ from typing import Mapping, Sequence
 from absl import app, flags
 
 from bfedjax import plots
+from bfedjax.metrics.uncertainty import RANKINGS
 from experiments import errors
 
 FLAGS = flags.FLAGS
@@ -27,6 +28,9 @@ flags.DEFINE_string("output_dir", None, "Where the PNGs go (default: plots/ in t
 
 # Per-round posterior-scale metrics of the Bayesian algorithms (the first a run has is drawn).
 SCALE_METRICS = ("precision_median", "mean_posterior_scale", "mean_global_scale", "mean_meme_scale")
+# evaluation.json's accuracy-vs-retained rankings, as the panels' titles name them
+RANKING_TITLES = {"entropy": "predictive entropy", "aleatoric": "aleatoric uncertainty",
+                  "epistemic": "epistemic uncertainty"}
 
 
 def run_names(run_dirs: Sequence[str]) -> list[str]:
@@ -58,11 +62,14 @@ def make_plots(runs: Mapping[str, dict], output_dir: str) -> list[str]:
         written.append(plots.save(plots.posterior_scale(columns, scales),
                                   os.path.join(output_dir, "posterior_scale.png")))
     evaluations = {name: run["evaluation"] for name, run in runs.items() if run["evaluation"]}
-    retained = {name: (e["accuracy_vs_retained"]["fractions"], e["accuracy_vs_retained"]["accuracy"])
-                for name, e in evaluations.items() if "accuracy_vs_retained" in e}
-    if retained:
-        written.append(plots.save(plots.accuracy_vs_retained(retained),
-                                  os.path.join(output_dir, "accuracy_vs_retained.png")))
+    retained = {name: e["accuracy_vs_retained"] for name, e in evaluations.items() if "accuracy_vs_retained" in e}
+    rankings = [r for r in RANKINGS if any(r in e["accuracy"] for e in retained.values())]
+    if rankings:  # one panel per uncertainty the points were ranked by
+        fig, axes = plt.subplots(1, len(rankings), squeeze=False, figsize=(5 * len(rankings), 4))
+        for ax, ranking in zip(axes[0], rankings):
+            plots.accuracy_vs_retained({name: (e["fractions"], e["accuracy"][ranking]) for name, e in retained.items()
+                                        if ranking in e["accuracy"]}, ax=ax, ranking=RANKING_TITLES[ranking])
+        written.append(plots.save(fig, os.path.join(output_dir, "accuracy_vs_retained.png")))
     reliability = {name: e["reliability"] for name, e in evaluations.items() if "reliability" in e}
     if reliability:
         cols = min(len(reliability), 3)

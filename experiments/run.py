@@ -466,7 +466,8 @@ def final_evaluation(algorithm, server, fed) -> tuple[dict, dict]:
     Returns ``(numbers, evaluation)``: ``numbers`` the accuracy, NLL, ECE, Brier, mean entropy, aleatoric and
     epistemic parts (summary.json's ``uncertainty``); ``evaluation`` (evaluation.json): ``reliability``, the
     ECE's ``calibration_bins`` (``count``, ``confidence``, ``accuracy`` [15] and ``ece``),
-    ``accuracy_vs_retained`` (``fractions`` [F] and ``accuracy`` [F] on the lowest-entropy fractions) and,
+    ``accuracy_vs_retained`` (``fractions`` [F] and ``accuracy``: ``{ranking: [F]}``, the accuracy on the least
+    uncertain fractions by normalised entropy, aleatoric and, for an MC predictive, epistemic uncertainty) and,
     when the clients have test splits (``--client_test_splits``), ``per_client_accuracy``: the global
     predictive's accuracy on each client's own split [N] (``None`` for a client without one).
     """
@@ -484,8 +485,8 @@ def final_evaluation(algorithm, server, fed) -> tuple[dict, dict]:
     evaluation = {
         "num_test": t,
         "reliability": {**{k: np.asarray(v).tolist() for k, v in bins.items()}, "ece": numbers["ece"]},
-        "accuracy_vs_retained": {"uncertainty": "normalised predictive entropy", "fractions": list(RETAINED_FRACTIONS),
-                                 "accuracy": np.asarray(retained).tolist()},
+        "accuracy_vs_retained": {"fractions": list(RETAINED_FRACTIONS),
+                                 "accuracy": {r: np.asarray(curve).tolist() for r, curve in retained.items()}},
     }
     if own:
         evaluation["per_client_accuracy"] = {
@@ -500,7 +501,13 @@ def _predictive_scores(probs, y):
     unc = bf.metrics.uncertainty
     p_bar = unc.predictive(probs)
     return (unc.summary(probs, y, CALIBRATION_BINS), unc.calibration_bins(p_bar, y, CALIBRATION_BINS),
-            unc.accuracy_vs_retained(p_bar, y, unc.normalised_entropy(p_bar), RETAINED_FRACTIONS))
+            unc.retention_curves(probs, y, RETAINED_FRACTIONS, retention_rankings(probs.shape[0])))
+
+
+def retention_rankings(num_samples: int) -> tuple[str, ...]:
+    """The uncertainties accuracy-vs-retained ranks by: epistemic only for an MC predictive (one sample has none)."""
+    rankings = bf.metrics.uncertainty.RANKINGS
+    return rankings if num_samples > 1 else tuple(r for r in rankings if r != "epistemic")
 
 
 def _filled(fed) -> np.ndarray:

@@ -37,7 +37,7 @@ def test_an_algorithm_needs_one_aggregation_and_its_own_hyperparameters():
         traced_hparams(algo, 1, {"lam": 1.0})
 
 
-def test_evaluated_model_chooses_what_ga_and_la_score(small_fed):
+def test_evaluated_model_chooses_what_ga_and_la_score(small_fed, digits):
     """The evaluate hook scores ``evaluated_model`` of the server state (GA) and of every message (LA); without the
     hook it scores ``global_params(server)`` and the messages' ``"params"``."""
     parts = {**_parts(), "server_init": lambda params: {"params": params, "shadow": params - 1.0},
@@ -53,6 +53,12 @@ def test_evaluated_model_chooses_what_ga_and_la_score(small_fed):
                                [0.0, 0.0])
     np.testing.assert_allclose([runs["shadowed"].metrics["global_value"][0],
                                 runs["shadowed"].metrics["local_value"][0]], [-3.0, 6.0], rtol=1e-6)
+    # a client's own test split scores the same local model (the default of evaluate_client)
+    train, test = bf.data.dirichlet_train_test(digits.y_train[:200], digits.y_test, 3, alpha=1.0, seed=0)
+    own = bf.data.stack_clients(digits.x_train[:200], digits.y_train[:200], train, x_test=digits.x_test,
+                                y_test=digits.y_test, num_classes=10, test_parts=test)
+    run = bf.simulate(shadowed, own, rounds=1, key=jax.random.PRNGKey(0), init_params=jnp.zeros(3))
+    np.testing.assert_allclose(run.metrics["client_test_value"][0], 6.0, rtol=1e-6)
 
 
 def test_simulate_says_how_to_initialise_an_algorithm_without_an_init_hook(small_fed):

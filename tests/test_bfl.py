@@ -97,7 +97,7 @@ def test_bfl_learns_and_reports_posterior_scale(digits, vi_model):
     assert 0 < float(summary["nll"]) < 5 and 0 <= float(summary["ece"]) <= 1
 
 
-def test_ga_and_la_score_the_mc_predictive(small_fed, vi_model):
+def test_ga_and_la_score_the_mc_predictive(small_fed, digits, vi_model):
     """Per-round GA / loss are the accuracy and NLL of the global posterior's eval_samples-sample predictive (the
     quantities the final summary reports); eval_samples=0 scores the posterior mean."""
     x, y = jnp.asarray(small_fed.x_test), jnp.asarray(small_fed.y_test)
@@ -116,6 +116,12 @@ def test_ga_and_la_score_the_mc_predictive(small_fed, vi_model):
     assert abs(runs[8].metrics["global_loss"][-1] - runs[0].metrics["global_loss"][-1]) > 1e-3  # sampling shows
     # LA: the weighted MC scores of the local posteriors, which differ from their means' too
     assert abs(runs[8].metrics["local_loss"][-1] - runs[0].metrics["local_loss"][-1]) > 1e-3
+    # one client: the global posterior is its posterior (to rounding: WC divides and multiplies by the precision),
+    # so LA, its MC score, equals GA
+    one = bf.data.from_partition(digits, [np.arange(150)])
+    run = bf.simulate(bf.algorithms.bfl(vi_model, one.input_shape, rule="wc", lr=1e-2, eval_samples=8,
+                                        init_scale=0.3), one, rounds=1, key=jax.random.PRNGKey(1))
+    assert run.metrics["local_loss"][0] == pytest.approx(run.metrics["global_loss"][0], rel=1e-4)
     with pytest.raises(ValueError, match="eval_samples=-1 must be >= 0"):
         bf.algorithms.bfl(vi_model, small_fed.input_shape, eval_samples=-1)
 

@@ -416,13 +416,17 @@ def test_bench_fola_ratio_reads_the_alternated_rows():
 def test_bfl_rules_script_smoke(tmp_path):
     out_file = tmp_path / "rules.md"
     _script("experiments.bfl_rules", "--seeds=0", "--settings=1:2", "--partitions=shards", "--rules=wc",
-            "--hidden=8", "--max_train=400", "--test_samples=2", f"--results_file={out_file}")
+            "--hidden=8", "--max_train=400", "--test_samples=2", "--evaluate_every=1", f"--results_file={out_file}")
     text = out_file.read_text()
     for method in ("fedavg", "mc_dropout", "wc"):
         assert f"| {method} | " in text
-    assert "Paper's grouping here" in text
+    assert "Paper's grouping here" in text and "| method | entropy 50% |" in text
     rows = json.loads(out_file.with_suffix(".json").read_text())
     assert set(rows) == {f"1 2 shards {m}" for m in ("fedavg", "mc_dropout", "wc")}
+    wc = rows["1 2 shards wc"]
+    assert wc["evaluated_rounds"][0] == [1.0, 2.0] and len(wc["accuracy_curve"][0]) == 2
+    assert wc["retained_entropy"][0][-1] == pytest.approx(wc["accuracy"][0])  # all points kept: the accuracy
+    assert out_file.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_spread_is_the_sample_std_or_a_students_t_interval():

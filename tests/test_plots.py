@@ -145,7 +145,9 @@ def test_run_prints_one_line_per_round_and_writes_the_plot_data(run_dir):
     assert sum(rel["count"]) == evaluation["num_test"] == 100 and rel["ece"] == pytest.approx(unc["ece"])
     assert plots._ece(rel) == pytest.approx(unc["ece"], abs=1e-5)
     retained = evaluation["accuracy_vs_retained"]
-    assert retained["fractions"][-1] == 1.0 and retained["accuracy"][-1] == pytest.approx(unc["accuracy"])
+    assert retained["fractions"][-1] == 1.0 and sorted(retained["accuracy"]) == ["aleatoric", "entropy"]  # M = 1
+    for curve in retained["accuracy"].values():  # every ranking keeps all points at fraction 1
+        assert curve[-1] == pytest.approx(unc["accuracy"])
     per_client = evaluation["per_client_accuracy"]
     assert len(per_client["accuracy"]) == 2 == len(per_client["test_counts"])
     assert sum(per_client["test_counts"]) > 0 and all(0 <= a <= 1 for a in per_client["accuracy"])

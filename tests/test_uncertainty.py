@@ -2,6 +2,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import optax
 
 from bfedjax.metrics import uncertainty as U
@@ -43,6 +44,21 @@ def test_ece_brier_and_retention():
     np.testing.assert_allclose(curve, [1.0, 0.5], atol=1e-6)
     s = U.summary(_probs()[0], _probs()[1])
     assert set(s) == {"accuracy", "nll", "ece", "brier", "entropy", "aleatoric", "epistemic"}
+
+
+def test_retention_curves_discard_by_entropy_aleatoric_or_epistemic_uncertainty():
+    """Four points, M = 2, two classes, each ranking keeping a different first point:
+    A: 50/50 twice (aleatoric only, wrong); B: sure of each class once (epistemic only, right);
+    C: 0.85 / 0.95 (least entropy, right); D: 0.7 / 0.9 for the wrong class."""
+    probs = jnp.asarray([[[.5, .5], [1., 0.], [.85, .15], [.7, .3]],
+                         [[.5, .5], [0., 1.], [.95, .05], [.9, .1]]])
+    y = jnp.asarray([1, 0, 0, 1])
+    curves = U.retention_curves(probs, y, (0.25, 0.5, 1.0))
+    np.testing.assert_allclose(curves["entropy"], [1.0, 0.5, 0.5])  # keeps C, then D
+    np.testing.assert_allclose(curves["aleatoric"], [1.0, 1.0, 0.5])  # keeps B, then C
+    np.testing.assert_allclose(curves["epistemic"], [0.0, 0.5, 0.5])  # keeps A, then C
+    with pytest.raises(ValueError, match="choose one of"):
+        U.ranked_uncertainty(probs, "variance")
 
 
 def test_eq9_reductions_and_the_per_sample_nll():

@@ -45,6 +45,7 @@ def abavg(model, *, validation=None, lr: float = 0.01, local_epochs: int = 1, ba
     if accuracy_source not in ACCURACY_SOURCES:
         raise ValueError(f"abavg: accuracy_source={accuracy_source!r}; choose one of {ACCURACY_SOURCES}")
     task = classification(model)
+    scorer = classification(model, eval_samples=0)  # the weights' accuracies: one pass (dropout off)
     client_init, client_step = make_sgd_client(model, clip_norm=clip_norm, momentum=momentum,
                                                weight_decay=weight_decay)
     if accuracy_source == "server_validation":
@@ -55,7 +56,7 @@ def abavg(model, *, validation=None, lr: float = 0.01, local_epochs: int = 1, ba
         if x_val.shape[0] == 0 or x_val.shape[0] != y_val.shape[0]:
             raise ValueError("abavg: validation must be a non-empty (x, y) pair of equal length; fix: data.holdout(...)")
         client_final = params_message
-        accuracy_of = lambda messages: jax.lax.map(lambda p: task.evaluate(p, x_val, y_val)["accuracy"],
+        accuracy_of = lambda messages: jax.lax.map(lambda p: scorer.evaluate(p, x_val, y_val)["accuracy"],
                                                    messages["params"])
     else:
         def client_final(local, ctx):
@@ -64,7 +65,7 @@ def abavg(model, *, validation=None, lr: float = 0.01, local_epochs: int = 1, ba
                                  "build the federation with test_parts (data.dirichlet_train_test, "
                                  "--client_test_splits)")
             mask = (jnp.arange(ctx.test.y.shape[0]) < ctx.test.count).astype(jnp.float32)
-            accuracy = task.evaluate(local.params, ctx.test.x, ctx.test.y, mask)["accuracy"]
+            accuracy = scorer.evaluate(local.params, ctx.test.x, ctx.test.y, mask)["accuracy"]
             return {"params": local.params, "reported_accuracy": accuracy}, (), {}
 
         accuracy_of = lambda messages: messages["reported_accuracy"]

@@ -92,7 +92,7 @@ def bfl(model, input_shape, *, rule: str = "wc", weighting: str = "by_size", pri
       prior_scale, init_scale, variational_biases, train_samples, test_samples, gradient_estimator: the
         variational clients' ``vi.MeanFieldConfig``; ``lr`` is their optimiser's step.
       eval_samples: M of the per-round GA / LA MC predictive (spec D9: 50); 0 scores the posterior mean
-        (one pass, M times cheaper; the library's behaviour before 2026-12).
+        (one pass, M times cheaper).
       optimizer, momentum: the clients' optimiser (spec D7): ``"adam"`` (default) or ``"sgd"`` with
         heavy-ball ``momentum``; its state starts afresh every round. Both step on spec D5's per-sample
         loss, ``mean CE + KL / |D_k|`` (SGD: ``lr / |D_k|`` on SVI's whole-data negative ELBO).

@@ -131,7 +131,7 @@ def hbfl(model, *, input_shape: Sequence[int], local_models: Sequence | None = N
         raise ValueError("hbfl: temperature must be > 0 and mc_samples, teacher_samples >= 1")
     if prior_scale is not None and prior_scale <= 0:
         raise ValueError(f"hbfl: prior_scale={prior_scale} must be > 0 (or None for no prior term)")
-    meme_task = classification(model)
+    meme_task = classification(model, eval_samples=0)  # one pass, as the heads' scores below
     apply_fn = meme_task.apply_fn
     heads = None
     if head_models is not None:

@@ -163,7 +163,7 @@ def with_client_test_metrics(algorithm: Algorithm, arrays: RoundArrays, client_i
     mask = (jnp.arange(y.shape[0]) < test.count).astype(jnp.float32)
     if algorithm.evaluate_client is not None:
         scores = algorithm.evaluate_client(message, persistent, x, y, mask, group)
-    elif algorithm.scores_local(message):
+    elif algorithm.can_score_local(message):
         scores = algorithm.evaluate(algorithm.scored_local(message), x, y, mask)
     else:
         return outputs

@@ -28,7 +28,7 @@ def _on_evaluation_rounds(config, hparams, metrics_fn):
 
 def local_metric_sums(algorithm, config, arrays, messages, weights, mask, hparams):
     """``{local_<name>: sum_c w_c * metric(local model c)}`` through the evaluate hook (the LA of the paper)."""
-    if not (config.evaluate_local and algorithm.scores_local(messages)):
+    if not (config.evaluate_local and algorithm.can_score_local(messages)):
         return {}
 
     def sums():

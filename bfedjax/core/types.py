@@ -152,7 +152,7 @@ class ServerFromStatsFn(Protocol):
 
 class GlobalParamsFn(Protocol):
     def __call__(self, server: PyTree) -> PyTree:
-        """The global model's parameters (what the evaluate hook scores)."""
+        """The global model's parameters (what the evaluate hook scores unless ``evaluated_model`` is given)."""
 
 
 class EvaluatedModelFn(Protocol):
@@ -218,7 +218,8 @@ class Algorithm:
       evaluated_model: ``server state or one message -> what evaluate scores`` (the global model's
         and the local models'); default: ``global_params(server)`` and the message's ``"params"``.
         A Bayesian algorithm gives its posterior here, and an ``evaluate`` of the posterior's
-        predictive.
+        predictive; the two go together (replacing ``evaluate`` alone on such an algorithm hands it
+        the posterior).
       persistent_init: ``(params, key, group) -> one client's persistent state`` (default: none).
       evaluate: ``(model, x_test, y_test, mask=None) -> metrics``; the engine reports the global
         model's (``scored_global``) as ``global_<name>`` and the local models' (``scored_local``,
@@ -282,7 +283,7 @@ class Algorithm:
         """What ``evaluate`` scores as the global model: ``evaluated_model(server)``, else ``global_params(server)``."""
         return self.global_params(server) if self.evaluated_model is None else self.evaluated_model(server)
 
-    def scores_local(self, message) -> bool:
+    def can_score_local(self, message) -> bool:
         """Whether one client's ``message`` holds a local model ``evaluate`` can score."""
         return self.evaluate is not None and (self.evaluated_model is not None
                                               or (isinstance(message, dict) and "params" in message))

@@ -113,6 +113,28 @@ def accuracy_vs_retained(p_bar, y, uncertainty, fractions=(0.5, 0.6, 0.7, 0.8, 0
     return jnp.stack([cumulative[k - 1] / k for k in keep])
 
 
+RANKINGS = ("entropy", "aleatoric", "epistemic")  # what accuracy-vs-retained discards first (section 2.3)
+
+
+def ranked_uncertainty(probs, ranking: str):
+    """``[T]``: the uncertainty of ``probs [M, T, C]`` that ``ranking`` names: Eq. 8's normalised entropy of the
+    averaged predictive, or the trace of Eq. 9's aleatoric or epistemic part (spec D10)."""
+    if ranking == "entropy":
+        return normalised_entropy(predictive(probs))
+    if ranking == "aleatoric":
+        return aleatoric(probs)
+    if ranking == "epistemic":
+        return epistemic(probs)
+    raise ValueError(f"ranking={ranking!r}; choose one of {RANKINGS}")
+
+
+def retention_curves(probs, y, fractions, rankings=RANKINGS) -> dict:
+    """``{ranking: [F]}``: accuracy vs retained data of ``probs [M, T, C]`` with the most uncertain points
+    discarded first by each of ``rankings`` (Filos et al., as Fischer et al. section 2.3 ranks them)."""
+    p_bar = predictive(probs)
+    return {r: accuracy_vs_retained(p_bar, y, ranked_uncertainty(probs, r), fractions) for r in rankings}
+
+
 SUMMARY_METRICS = ("accuracy", "nll", "ece", "brier", "entropy", "aleatoric", "epistemic")  # summary's keys, in order
 
 
