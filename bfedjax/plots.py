@@ -143,6 +143,34 @@ def accuracy_vs_retained(curves: Mapping[str, tuple[Sequence[float], Sequence[fl
     return _titled(ax, f"Accuracy vs retained data (by {ranking})")
 
 
+# The rankings of ``metrics.uncertainty.RANKINGS``, in its order, as the panels' titles name them.
+RANKING_TITLES = {"entropy": "predictive entropy", "aleatoric": "aleatoric uncertainty",
+                  "epistemic": "epistemic uncertainty"}
+
+
+def retained_panels(retained: Mapping[str, Mapping[str, Any]]):
+    """One accuracy-vs-retained panel per ranking that any run holds (entropy, aleatoric, epistemic).
+
+    Args:
+      retained: run name -> its evaluation.json's ``accuracy_vs_retained``: ``fractions [F]`` and
+        ``accuracy`` ``{ranking: [F]}`` (a plain list ``[F]``, as folders written before 2026-12-02 hold,
+        is the entropy ranking).
+    Returns the figure, or None when no run holds a curve.
+    """
+    by_run = {name: (e["fractions"], e["accuracy"] if isinstance(e["accuracy"], Mapping)
+                     else {"entropy": e["accuracy"]}) for name, e in retained.items()}
+    rankings = [r for r in RANKING_TITLES if any(r in curves for _, curves in by_run.values())]
+    if not rankings:
+        return None
+    require("matplotlib")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(rankings), squeeze=False, figsize=(5 * len(rankings), 4))
+    for ax, ranking in zip(axes[0], rankings):
+        accuracy_vs_retained({name: (fractions, curves[ranking]) for name, (fractions, curves) in by_run.items()
+                              if ranking in curves}, ax=ax, ranking=RANKING_TITLES[ranking])
+    return fig
+
+
 def posterior_scale(runs: Mapping[str, Mapping[str, Sequence[float]]],
                     metrics: Sequence[str] = ("precision_median",), ax=None):
     """A per-round posterior-scale metric of each run on a log axis (e.g. FOLA's ``precision_median``,
@@ -209,7 +237,7 @@ def read_run(run_dir: str) -> dict:
     Returns ``{"name": the folder's name, "metrics": columns of metrics.jsonl (lists [R], "round" among
     them), "summary": summary.json (``{}`` if absent), "evaluation": evaluation.json, or None}``;
     evaluation.json holds the final predictive's ``reliability`` bins, its ``accuracy_vs_retained``
-    curve (``fractions``, ``accuracy``) and, with per-client test splits, ``per_client_accuracy``.
+    curves (``fractions`` [F], ``accuracy``: ``{ranking: [F]}``) and, with per-client test splits, ``per_client_accuracy``.
     A folder without metrics.jsonl raises ``ValueError`` naming the fix.
     """
     metrics_path = os.path.join(run_dir, METRICS_FILE)
@@ -230,5 +258,5 @@ def read_run(run_dir: str) -> dict:
     return out
 
 
-__all__ = ["accuracy_vs_retained", "columns", "learning_curves", "per_client_accuracy", "posterior_scale", "read_run",
+__all__ = ["RANKING_TITLES", "accuracy_vs_retained", "retained_panels", "columns", "learning_curves", "per_client_accuracy", "posterior_scale", "read_run",
            "reliability_diagram", "reliability_diagram_from_bins", "save"]

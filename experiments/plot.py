@@ -20,7 +20,6 @@ from typing import Mapping, Sequence
 from absl import app, flags
 
 from bfedjax import plots
-from bfedjax.metrics.uncertainty import RANKINGS
 from experiments import errors
 
 FLAGS = flags.FLAGS
@@ -28,9 +27,6 @@ flags.DEFINE_string("output_dir", None, "Where the PNGs go (default: plots/ in t
 
 # Per-round posterior-scale metrics of the Bayesian algorithms (the first a run has is drawn).
 SCALE_METRICS = ("precision_median", "mean_posterior_scale", "mean_global_scale", "mean_meme_scale")
-# evaluation.json's accuracy-vs-retained rankings, as the panels' titles name them
-RANKING_TITLES = {"entropy": "predictive entropy", "aleatoric": "aleatoric uncertainty",
-                  "epistemic": "epistemic uncertainty"}
 
 
 def run_names(run_dirs: Sequence[str]) -> list[str]:
@@ -62,14 +58,10 @@ def make_plots(runs: Mapping[str, dict], output_dir: str) -> list[str]:
         written.append(plots.save(plots.posterior_scale(columns, scales),
                                   os.path.join(output_dir, "posterior_scale.png")))
     evaluations = {name: run["evaluation"] for name, run in runs.items() if run["evaluation"]}
-    retained = {name: e["accuracy_vs_retained"] for name, e in evaluations.items() if "accuracy_vs_retained" in e}
-    rankings = [r for r in RANKINGS if any(r in e["accuracy"] for e in retained.values())]
-    if rankings:  # one panel per uncertainty the points were ranked by
-        fig, axes = plt.subplots(1, len(rankings), squeeze=False, figsize=(5 * len(rankings), 4))
-        for ax, ranking in zip(axes[0], rankings):
-            plots.accuracy_vs_retained({name: (e["fractions"], e["accuracy"][ranking]) for name, e in retained.items()
-                                        if ranking in e["accuracy"]}, ax=ax, ranking=RANKING_TITLES[ranking])
-        written.append(plots.save(fig, os.path.join(output_dir, "accuracy_vs_retained.png")))
+    panels = plots.retained_panels({name: e["accuracy_vs_retained"] for name, e in evaluations.items()
+                                    if "accuracy_vs_retained" in e})
+    if panels is not None:  # one panel per uncertainty the points were ranked by
+        written.append(plots.save(panels, os.path.join(output_dir, "accuracy_vs_retained.png")))
     reliability = {name: e["reliability"] for name, e in evaluations.items() if "reliability" in e}
     if reliability:
         cols = min(len(reliability), 3)

@@ -237,3 +237,18 @@ def test_plot_cli_turns_the_run_folder_into_pngs(run_dir, tmp_path):
     names = ["learning_curves", "posterior_scale", "accuracy_vs_retained", "reliability", "per_client_accuracy"]
     assert result.stdout.split() == [str(tmp_path / f"{name}.png") for name in names]
     assert all(_is_png(tmp_path / f"{name}.png") for name in names)
+
+
+def test_retained_data_gets_a_panel_per_ranking_and_reads_single_curve_folders():
+    """One accuracy-vs-retained panel per ranking an evaluation.json holds; a folder written before the rankings
+    (one list, ranked by entropy) joins the entropy panel."""
+    assert tuple(plots.RANKING_TITLES) == uncertainty.RANKINGS
+    curves = {"entropy": [0.9, 0.8], "aleatoric": [0.95, 0.8], "epistemic": [0.85, 0.8]}
+    fig = plots.retained_panels({"new": {"fractions": [0.5, 1.0], "accuracy": curves},
+                                 "old": {"fractions": [0.5, 1.0], "accuracy": [0.7, 0.6]}})
+    assert [ax.get_title() for ax in fig.axes] == [f"Accuracy vs retained data (by {plots.RANKING_TITLES[r]})"
+                                                   for r in ("entropy", "aleatoric", "epistemic")]
+    assert [len(ax.lines) for ax in fig.axes] == [2, 1, 1]
+    np.testing.assert_allclose(fig.axes[1].lines[0].get_ydata(), [0.95, 0.8])
+    assert plots.retained_panels({}) is None
+    plt.close(fig)
