@@ -109,7 +109,8 @@ hbfl-table: install data
 hbfl-objective: install data
 	$(PYTHON) -m experiments.hbfl_objective
 
-# FedRef vs FedAvg, FedProx, FedAdam: MNIST-5k and procedural-vessels segmentation -> results/fedref.md
+# FedRef vs FedAvg, FedProx, FedAdam (spec section 7): MNIST-5k, Fashion-MNIST, procedural-vessels and noisy
+# MNIST-5k foreground segmentation -> results/fedref.md (about an hour on 2 cores)
 fedref-table: install data
 	$(PYTHON) -m experiments.fedref_table
 

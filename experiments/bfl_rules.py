@@ -61,6 +61,7 @@ for _name in ("num_clients", "batch_size", "test_samples", "evaluate_every"):
     flags.register_validator(_name, lambda v: v >= 1, message=f"--{_name} must be >= 1")
 
 GROUP_1, GROUP_2 = ("ws", "wc", "conflation"), ("nwa", "lp")
+SIGMA_0 = MeanFieldConfig.init_scale  # every variational client's initial posterior scale (spec D4: softplus(-3))
 BASELINES = ("fedavg", "mc_dropout")  # deterministic and MC-dropout MLPs, FedAvg (= NWA, train size)
 RETAINED = (0.5, 0.7, 0.9, 1.0)  # fractions of the test set kept by the accuracy-vs-retained curves
 RANKINGS = ("entropy", "epistemic")  # what those curves discard first (spec section 7)
@@ -288,7 +289,7 @@ def write_results(rows, data):
                              f"{fmt('accuracy_round_10', '.4f')} | {fmt('scale', '.2e')} | {fmt('floor_hits', '.0f')} |")
             lines += ["", f"Paper's grouping here: {verdict(rows, epochs, rounds, partition)}.", "",
                       f"Baselines here: {baselines(rows, epochs, rounds, partition)}.", ""]
-            lines += retention_table(here)
+            lines += retention_table(here) + scale_table(here)
     lines += ["## Does the paper's finding hold here?", "", finding(rows), "", mc_dropout_summary(rows), ""]
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
@@ -312,23 +313,54 @@ def retention_table(here) -> list[str]:
     return lines + [""]
 
 
+def scale_table(here) -> list[str]:
+    """Markdown lines: each variational rule's mean posterior scale at every evaluated round (spec section 7) and
+    its shrink factor per round up to the first evaluated round, ``(sigma_0 / sigma_r)^(1 / r)`` from the initial
+    scale ``SIGMA_0``. The spec's section 7 expects the group-1 rules to divide the variance by about K a round
+    (section 2.4), so the scale by about sqrt(K)."""
+    rules = {m: v for m, v in here.items() if m not in BASELINES and "scale_curve" in v}
+    if not rules:
+        return []
+    rounds = [int(r) for r in next(iter(rules.values()))["evaluated_rounds"][0]]
+    lines = [f"Mean posterior scale per evaluated round (mean over seeds; initial scale {SIGMA_0:.4f}, floor 1e-6) "
+             f"and its shrink factor per round up to round {rounds[0]} (sqrt(K) = {math.sqrt(FLAGS.num_clients):.2f} "
+             "if the variance is divided by K every round):", "",
+             "| method | " + " | ".join(f"r{r}" for r in rounds) + f" | shrink per round to r{rounds[0]} |",
+             "|---|" + "---|" * (len(rounds) + 1)]
+    for method, v in rules.items():
+        curve = v["scale_curve"][0]
+        lines.append(f"| {method} | " + " | ".join(f"{c:.1e}" for c in curve)
+                     + f" | {(SIGMA_0 / curve[0]) ** (1 / rounds[0]):.2f} |")
+    return lines + [""]
+
+
 def curves_path() -> str:
     return results_path().replace(".md", ".png")
 
 
 def plot_curves(rows) -> None:
-    """``<results>.png``: the mean GA per evaluated round of every method, one panel per setting and partition."""
+    """``<results>.png``: the mean GA per evaluated round of every method (top) and the variational rules' mean
+    posterior scale (bottom, log scale), one column per setting and partition."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from bfedjax import plots
     panels = sorted({(e, r, p) for (e, r, p, _) in rows})
-    fig, axes = plt.subplots(1, len(panels), squeeze=False, figsize=(5 * len(panels), 4.2))
-    for ax, (e, r, p) in zip(axes[0], panels):
+    fig, axes = plt.subplots(2, len(panels), squeeze=False, figsize=(5 * len(panels), 8.4))
+    for column, (e, r, p) in enumerate(panels):
+        here = {m: v for (e2, r2, p2, m), v in rows.items() if (e2, r2, p2) == (e, r, p) and "accuracy_curve" in v}
         runs = {m: {"round": v["evaluated_rounds"][0], "global_accuracy": v["accuracy_curve"][0]}
-                for (e2, r2, p2, m), v in rows.items() if (e2, r2, p2) == (e, r, p) and "accuracy_curve" in v}
-        plots.learning_curves(runs, ("global_accuracy",), ax=ax, title=f"E = {e}, {p}")
-        ax.legend(fontsize="x-small")
+                for m, v in here.items()}
+        plots.learning_curves(runs, ("global_accuracy",), ax=axes[0, column], title=f"E = {e}, {p}")
+        # the same colours below (a run without the column is skipped); round 0 is the initial scale
+        scales = {m: {"round": [0.0] + v["evaluated_rounds"][0],
+                      **({} if m in BASELINES else {"mean_posterior_scale": [SIGMA_0] + v["scale_curve"][0]})}
+                  for m, v in here.items()}
+        plots.learning_curves(scales, ("mean_posterior_scale",), ax=axes[1, column],
+                              title=f"Mean posterior scale, E = {e}, {p}")
+        axes[1, column].set_yscale("log")
+        for ax in axes[:, column]:
+            ax.legend(fontsize="x-small")
     plots.save(fig, curves_path())
 
 

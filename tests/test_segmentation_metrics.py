@@ -384,6 +384,20 @@ def test_classes_losses_match_numpy_references_and_descend():
         S.loss_fn("bce")
 
 
+def test_authors_focal_loss_shrinks_with_the_pixel_count_unlike_ce_dice():
+    """smp's normalised Focal loss is a weighted mean of BCE divided once more by the number of elements, so the
+    same images tiled 2x2 (4x the pixels, the same per-pixel errors) give a quarter of the loss, while ce_dice, a
+    per-pixel mean, stays put: at the authors' lr a U-Net barely trains (results/fedref.md, section (d))."""
+    target = _label_maps(41)
+    logits = np.random.default_rng(42).normal(size=(B, 16, 16, C)).astype(np.float32)
+    tiled = lambda a: np.tile(a, (1, 2, 2) + (1,) * (a.ndim - 3))
+    focal, focal_tiled = (float(S.authors_focal_loss(l, t, ONES)) for l, t in ((logits, target),
+                                                                              (tiled(logits), tiled(target))))
+    np.testing.assert_allclose(focal_tiled, focal / 4, rtol=1e-5)
+    np.testing.assert_allclose(S.ce_dice_loss(tiled(logits), tiled(target), ONES),
+                               S.ce_dice_loss(logits, target, ONES), rtol=1e-2)  # Dice's smoothing term: 0.2%
+
+
 def test_classes_absent_from_an_image_follow_the_binary_conventions():
     target = _label_maps(40)
     pred = target.copy()

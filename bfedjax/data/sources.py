@@ -61,6 +61,11 @@ DATASETS = (
     # (fets/classes: the FedRef authors' 4 classes)
     "fets_volumes",  # the same subjects' whole FLAIR volumes [D, H, W] (fets_volumes/DxHxW resizes them)
 )
+FOREGROUND_SOURCES = ("mnist_5k", "fashion_mnist", "mnist")
+"""Grey classification sets whose ``<name>_foreground`` is a segmentation set (``segmentation.foreground``,
+FedRef spec section 7c: mask = clean pixel > 0.5, input = the image plus Gaussian noise of std 0.3)."""
+FOREGROUND_SUFFIX = "_foreground"
+DATASETS += tuple(name + FOREGROUND_SUFFIX for name in FOREGROUND_SOURCES)
 
 _EMNIST_CONFIGS = ("byclass", "bymerge", "balanced", "letters", "digits", "mnist")
 
@@ -639,7 +644,11 @@ def load(
     ``fets_volumes`` (or ``fets_volumes/DxHxW``, resized): whole FeTS volumes, ``x_* [n, D, H, W, 1]``
     and ``y_* [n, D, H, W]``. Both FeTS names take ``/classes`` last (``fets/classes``,
     ``fets_volumes/48x64x64/classes``): the FedRef authors' 4 classes (FeTS's labels 0, 1, 2, 4 as
-    0..3, ``num_classes = 4``) instead of whole-tumour masks.
+    0..3, ``num_classes = 4``) instead of whole-tumour masks. ``mnist_5k_foreground``,
+    ``fashion_mnist_foreground`` and ``mnist_foreground`` (FedRef spec section 7c's proxy): the source's
+    images (the same seeded, stratified ``max_train`` / ``max_test`` subset) with masks ``clean pixel > 0.5``
+    and Gaussian noise of std 0.3 added to the inputs, the noise seeded by ``seed``
+    (``segmentation.foreground``).
 
     Returns:
       :class:`Dataset` with ``x_* [n, H, W, C]`` float32 and ``y_* [n]`` int32.
@@ -665,6 +674,12 @@ def _load(name: str, data_dir: str | None, *, tfds_data_dir: str | None, max_tra
     unit = pixels == "unit"
     base, config = _canonical(name)
     _check_data_dir(base, data_dir)
+    if base.endswith(FOREGROUND_SUFFIX):  # the source's seeded stratified subset, then masks and noise
+        from bfedjax.data.segmentation import foreground
+
+        images = _load(base[:-len(FOREGROUND_SUFFIX)], data_dir, tfds_data_dir=tfds_data_dir, max_train=max_train,
+                       max_test=max_test, seed=seed, tfds_download=tfds_download, pixels="unit")
+        return foreground(images, seed=seed, pixels=pixels)
     if base in ("vessels", "drive", "oxford_iiit_pet", "fets", "fets_volumes"):  # [n, H, W] or [n, D, H, W] masks:
         # own packing, no stratified subsampling
         from bfedjax.data.segmentation import load_segmentation
@@ -756,6 +771,7 @@ def available(name: str, data_dir: str | None = None, *, tfds_data_dir: str | No
       ValueError: unknown name.
     """
     base, config = _canonical(name)
+    base = base.removesuffix(FOREGROUND_SUFFIX)
     if base == "digits":
         return importlib.util.find_spec("sklearn") is not None
     if base == "mnist_5k":
