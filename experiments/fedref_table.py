@@ -34,7 +34,7 @@ FedRef-map_prox (2 eta lambda = 0.2).
 Gaussian noise of std 0.3; 400 train / 100 test images of MNIST-5k, since every client holds 50-90% of the
 training set and E = 4 on all 4,000 would take over an hour a run), the same U-Net with the authors' two
 output channels, their Focal loss (alpha 0.1, gamma 4.5, normalised), E = 4, B = 8, SGD 0.01, 30 rounds, 1
-seed (``--foreground_seeds``; a run takes about 8 minutes): FedAvg, FedRef-code (lambda 0.01, p 3, eta = client lr = 0.01, the authors' value), FedRef-map_prox
+seed (``--foreground_seeds``; a run takes about 7 minutes): FedAvg, FedRef-code (lambda 0.01, p 3, eta = client lr = 0.01, the authors' value), FedRef-map_prox
 (2 eta lambda = 0.2), and FedAvg with the cross-entropy + soft-Dice loss, as a reference for what the same net
 reaches; and, untrained, the noisy input thresholded at 0.5.
 
@@ -74,7 +74,7 @@ flags.DEFINE_integer("fashion_rounds", 50, "Fashion-MNIST rounds (spec 7b).")
 flags.DEFINE_integer("segmentation_rounds", 15, "Vessels rounds.")
 flags.DEFINE_integer("foreground_rounds", 30, "MNIST-5k foreground rounds (spec 7c).")
 flags.DEFINE_list("segmentation_seeds", ["0", "1"], "Seeds of the vessels runs.")
-flags.DEFINE_list("foreground_seeds", ["0"], "Seeds of the foreground runs (spec 7c; about 8 minutes a run here).")
+flags.DEFINE_list("foreground_seeds", ["0"], "Seeds of the foreground runs (spec 7c; about 7 minutes a run here).")
 flags.DEFINE_enum("pixels", "unit", ["unit", "standardised"], "MNIST-5k's and Fashion-MNIST's pixels: unit = [0, 1] "
                   "(spec section 7a); standardised = the library's default scaling (zero mean, unit std).")
 flags.DEFINE_string("output_dir", "out/fedref_table", "Per-run JSON files (reused when present).")
