@@ -221,10 +221,8 @@ RECORD_VERSION = 2
 
 def _relative_change(final, init) -> float:
     """``||final - init|| / ||init||`` over every leaf of two parameter pytrees."""
-    import jax
-    from jax.flatten_util import ravel_pytree
-    a, b = (np.asarray(ravel_pytree(jax.device_get(t))[0], np.float64) for t in (final, init))
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    from bfedjax.tree import tree_squared_norm, tree_sub
+    return float(np.sqrt(tree_squared_norm(tree_sub(final, init)) / tree_squared_norm(init)))
 
 
 def _reusable(record: dict, section: Section, data) -> bool:
