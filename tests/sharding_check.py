@@ -30,8 +30,9 @@ cases = {
     "readme_fedavg_momentum_sampled_nan_attacked": (
         run_readme_code(definition_only=True)["fedavg_momentum"](model),
         {"clients_per_chunk": 2, "clients_per_round": 4, "fed": nan_fed, "attack": bf.core.Attack("sign_flip", 0.4)}),
-    "hbfl_groups_sampled": (bf.algorithms.hbfl(model, input_shape=(8, 8, 1), batch_size=16, local_models=(
-        bf.models.get_model("mlp", 10, hidden=(8,)), bf.models.get_model("logistic", 10))),
+    "hbfl_groups_sampled": (bf.algorithms.hbfl(model, input_shape=(8, 8, 1), batch_size=16, local_epochs=1,
+                                               local_models=(bf.models.get_model("mlp", 10, hidden=(8,)),
+                                                             bf.models.get_model("logistic", 10))),
         {"clients_per_round": 3, "client_groups": [0, 0, 1, 1, 1]}),
     # a non-streaming aggregation: every device gathers every client's message
     "median_sampled": (bf.algorithms.robust.with_robust_aggregation(bf.algorithms.fedavg(model, lr=0.1, batch_size=16),

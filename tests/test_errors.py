@@ -134,6 +134,9 @@ def test_missing_data_names_the_fix(tmp_path, monkeypatch):
     assert "fix: pass --data_dir=DIR holding the IDX files" in _error("--dataset=mnist",
                                                                       f"--tfds_data_dir={tmp_path}")
     assert "fix: prepare TFDS data in --tfds_data_dir" in _error("--dataset=cifar10", f"--tfds_data_dir={tmp_path}")
+    # an EMNIST split by name (FedReg's Table 1 preset needs emnist/digits) reaches the loader
+    assert "fix: prepare TFDS data in --tfds_data_dir" in _error("--dataset=emnist/digits",
+                                                                 f"--tfds_data_dir={tmp_path}")
 
 
 def test_an_explicit_data_dir_is_the_only_place_looked_in(tmp_path, monkeypatch):
@@ -338,6 +341,7 @@ def test_binaries_print_one_line_and_exit_2(tmp_path):
         (["experiments.precision_table", "--seeds=x"], "--seeds must be non-negative integer seeds, e.g. --seeds=0"),
         (["experiments.run", "--compute_dtype=int8"], "--compute_dtype=int8: value should be one of <float32|bfloat16"),
         (["experiments.bfl_rules", "--partitions=dirichlet"], "--partitions must be iid and/or shards"),
+        (["experiments.bfl_rules", "--weightings=equal"], "--weightings must be client weightings from uniform"),
         (["experiments.bench", "--only=no such configuration"], "matches no configuration; fix: use part of"),
         (["experiments.bench", "--bfl_gradient_estimator=local"],
          "--bfl_gradient_estimator=local; fix: use one of flipout, local_reparameterization"),

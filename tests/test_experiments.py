@@ -120,6 +120,20 @@ def test_fola_table2_preset_runs_with_its_table1_augmentation_on_tfds_mock_cifar
     assert summary["flags"]["augment"] == "autoaugment_cutout" and summary["flags"]["model"] == "fola_cnn"
 
 
+def test_fedreg_emnist_preset_loads_the_emnist_digits_split_on_tfds_mock_data(tmp_path):
+    """FedReg's Table 1 preset loads TFDS's emnist/digits, not the balanced split, and its one-class clients, CNN
+    and FedReg run on it (small here: 2 clients of 5 images)."""
+    preset = "--flagfile=experiments/configs/fedreg_emnist.flags"
+    out = subprocess.run([sys.executable, "tests/tfds_mock_run.py", preset, "--rounds=1", "--num_clients=2",
+                          "--clients_per_round=2", "--samples_per_client=5", "--batch_size=5", "--local_epochs=1",
+                          "--max_test=20", f"--output_dir={tmp_path}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "fedreg on emnist/digits (tfds:emnist/digits)" in out.stdout and "round    1  GA" in out.stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["dataset"] == "emnist/digits" and summary["source"] == "tfds:emnist/digits"  # as loaded
+
+
 def test_mc_dropout_schedule_and_final_uncertainty(tmp_path):
     out = _run(*SMALL, "--algorithm=fedavg", "--dropout_rate=0.2", "--optimizer=adam", "--lr=0.01",
                "--lr_schedule=exponential", "--lr_decay_start=1", "--rounds=2", "--test_samples=4",
@@ -416,14 +430,18 @@ def test_bench_fola_ratio_reads_the_alternated_rows():
 def test_bfl_rules_script_smoke(tmp_path):
     out_file = tmp_path / "rules.md"
     _script("experiments.bfl_rules", "--seeds=0", "--settings=1:2", "--partitions=shards", "--rules=wc",
-            "--hidden=8", "--max_train=400", "--test_samples=2", "--evaluate_every=1", f"--results_file={out_file}")
+            "--weightings=by_size,distance", "--hidden=8", "--max_train=400", "--test_samples=2", "--evaluate_every=1",
+            f"--results_file={out_file}")
     text = out_file.read_text()
-    for method in ("fedavg", "mc_dropout", "wc"):
+    for method in ("fedavg", "mc_dropout", "wc", "wc/distance"):
         assert f"| {method} | " in text
     assert "Paper's grouping here" in text and "| method | entropy 50% |" in text
     rows = json.loads(out_file.with_suffix(".json").read_text())
-    assert set(rows) == {f"1 2 shards {m}" for m in ("fedavg", "mc_dropout", "wc")}
+    assert set(rows) == {f"1 2 shards {m}" for m in ("fedavg", "mc_dropout", "wc", "wc/distance")}
     wc = rows["1 2 shards wc"]
+    # WC's variance omega_max / sum_k(omega_k / sigma_k^2) depends on the weights: the distance run weighed its
+    # clients otherwise
+    assert wc["scale"][0] != rows["1 2 shards wc/distance"]["scale"][0]
     assert wc["evaluated_rounds"][0] == [1.0, 2.0] and len(wc["accuracy_curve"][0]) == 2
     assert wc["retained_entropy"][0][-1] == pytest.approx(wc["accuracy"][0])  # all points kept: the accuracy
     assert out_file.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
@@ -460,6 +478,28 @@ def test_bfl_rules_report_writes_the_chosen_spread(tmp_path):
     _script("experiments.bfl_rules", *common, "--spread=ci95")
     text = out_file.read_text()
     assert "| wc | 0.9000 ± 0.0248 |" in text and "95% CI half-width" in text  # 4.3027 * 0.01 / sqrt(3)
+
+
+def test_bfl_rules_tabulates_the_client_weightings(tmp_path):
+    """--weightings: every weighted rule under each weighting side by side (conflation, which takes none, once under
+    the first), the paper's grouping read off the first weighting, and the widest gap between a rule's weightings."""
+    out_file = tmp_path / "rules.md"
+    row = lambda acc: {"accuracy": [acc, 0.01], "nll": [0.3, 0.1], "ece": [0.05, 0.02], "scale": [0.01, 0.001],
+                       "runs": [3, 0.0]}
+    saved = {"1 2 iid fedavg": row(0.9), "1 2 iid wc": row(0.80), "1 2 iid wc/distance": row(0.95),
+             "1 2 iid nwa": row(0.70), "1 2 iid nwa/distance": row(0.705), "1 2 iid conflation/distance": row(0.85)}
+    out_file.with_suffix(".json").write_text(json.dumps(saved))
+    _script("experiments.bfl_rules", "--report_only", "--settings=1:2", "--partitions=iid", "--seeds=0",
+            "--rules=wc,nwa,conflation", "--weightings=distance,by_size", f"--results_file={out_file}")
+    text = out_file.read_text()
+    table = text.split("Client weightings (")[1].split("\n\n")[1].splitlines()
+    assert table[0] == "| rule | distance acc | distance NLL | by_size acc | by_size NLL |"
+    assert table[2:] == ["| wc | 0.9500 ± 0.0100 | 0.300 ± 0.100 | 0.8000 ± 0.0100 | 0.300 ± 0.100 |",
+                         "| nwa | 0.7050 ± 0.0100 | 0.300 ± 0.100 | 0.7000 ± 0.0100 | 0.300 ± 0.100 |"]
+    # read off the first weighting: worst of (wc/distance, conflation/distance) minus nwa/distance
+    assert "are ahead of NWA/LP under distance weights (worst of the first group minus best of the second +0.1450" in text
+    assert "Here 1 of 2 rule-and-setting pairs move by more than 0.01" in text
+    assert "the widest gap is 0.1500 (wc, E = 1, iid" in text
 
 
 def test_fedref_table_reports_cached_runs(tmp_path):

@@ -33,7 +33,7 @@ def local_models():
 @pytest.fixture(scope="module")
 def hetero_hbfl(tiny_model, local_models):
     return bf.algorithms.hbfl(tiny_model, input_shape=(8, 8, 1), local_models=local_models, batch_size=32,
-                              meme_lr=1e-2, lr=0.05)
+                              meme_lr=1e-2, lr=0.05, local_epochs=1)
 
 
 def _one_round(algo, fed, params, config, backend="vmap", key=3):
@@ -253,6 +253,18 @@ def _server(algo, means, scales, weights, mask=None):
                               jax.random.PRNGKey(0))[0]
 
 
+def test_hbfl_and_its_baselines_default_to_the_specs_common_setting(tiny_model, small_fed):
+    """Spec section 4: E = 5 and B = 128 for HBFL, FML and ABAVG; SGD 0.01 for the conventional nets, Adam
+    1e-3 for the meme."""
+    validation = (small_fed.x_test[:10], small_fed.y_test[:10])
+    built = {"hbfl": bf.algorithms.hbfl(tiny_model, input_shape=(8, 8, 1)),
+             "fml": bf.algorithms.fml(tiny_model, input_shape=(8, 8, 1)),
+             "abavg": bf.algorithms.abavg(tiny_model, validation=validation)}
+    for name, algo in built.items():
+        assert (algo.local_epochs, algo.batch_size, algo.hparams["lr"]) == (5, 128, 0.01), name
+    assert built["hbfl"].hparams["meme_lr"] == 1e-3
+
+
 def test_hbfl_server_limits_and_invariances(tiny_model):
     algo = bf.algorithms.hbfl(tiny_model, input_shape=(8, 8, 1))
     equal = bf.algorithms.hbfl(tiny_model, input_shape=(8, 8, 1), weighting="equal")
@@ -333,7 +345,8 @@ def test_distillation_limits():
 
 def test_fml_memes_are_averaged_and_abavg_weights_by_validation_accuracy(tiny_model, local_models, fed_with_tests,
                                                                          tiny_params, digits):
-    fml = bf.algorithms.fml(tiny_model, input_shape=(8, 8, 1), local_models=local_models, batch_size=32)
+    fml = bf.algorithms.fml(tiny_model, input_shape=(8, 8, 1), local_models=local_models, batch_size=32,
+                            local_epochs=1)
     means = {"w": jnp.arange(12.0).reshape(3, 4)}
     server, _ = fml.server_update(None, {"params": means}, jnp.array([0.7, 0.3, 0.0]), jnp.array([1., 1., 0.]), {},
                                   jax.random.PRNGKey(0))
@@ -360,7 +373,7 @@ def test_abavg_client_reported_accuracy_weights_by_size_times_accuracy(tiny_mode
     """Spec Decision 15's option: each client reports its model's accuracy on its own test split; the server
     weights by n_k acc_k. Every backend hands the client its split."""
     algo = bf.algorithms.abavg(tiny_model, accuracy_source="client_test", weighting="accuracy_by_size", lr=0.1,
-                               batch_size=32)
+                               batch_size=32, local_epochs=1)
     task = bf.tasks.classification(tiny_model)
     k = 2
     data = ClientData(*(jnp.asarray(a) for a in (fed_with_tests.x[k], fed_with_tests.y[k], fed_with_tests.counts[k])))
@@ -410,12 +423,12 @@ def test_objective_heterogeneity_shares_the_trunk_and_keeps_each_tasks_head(digi
     heads = (bf.models.Logistic(num_classes=10), bf.models.Logistic(num_classes=2))
     if method == "hbfl":
         algo = bf.algorithms.hbfl(trunk, input_shape=(8, 8, 1), local_models=(), head_models=heads, batch_size=20,
-                                  meme_lr=1e-2, lr=0.1)
+                                  meme_lr=1e-2, lr=0.1, local_epochs=1)
         head_kernel = lambda persistent: persistent["head"]["params"]["Dense_0"]["kernel"]
     else:
         local = (bf.models.Logistic(num_classes=10), bf.models.Logistic(num_classes=2))
         algo = bf.algorithms.fml(trunk, input_shape=(8, 8, 1), local_models=local, head_models=heads, batch_size=20,
-                                 lr=0.1)
+                                 lr=0.1, local_epochs=1)
         head_kernel = lambda persistent: persistent["head"]["Dense_0"]["kernel"]
     params = algo.init_params(jax.random.PRNGKey(0), (8, 8, 1))
     config = RoundConfig(4, 4, client_groups=tuple(tasks))

@@ -24,7 +24,7 @@ WEIGHTINGS = ("accuracy", "accuracy_by_size")
 ACCURACY_SOURCES = ("server_validation", "client_test")
 
 
-def abavg(model, *, validation=None, lr: float = 0.01, local_epochs: int = 1, batch_size: int = 128,
+def abavg(model, *, validation=None, lr: float = 0.01, local_epochs: int = 5, batch_size: int = 128,
           momentum: float = 0.9, weight_decay: float = 5e-4, clip_norm: float | None = None,
           weighting: str = "accuracy", accuracy_source: str = "server_validation") -> Algorithm:
     """ABAVG for ``model``.
@@ -33,6 +33,7 @@ def abavg(model, *, validation=None, lr: float = 0.01, local_epochs: int = 1, ba
       validation: ``(x [V, ...], y [V])``, the server's validation split (held in the compiled round);
         required with ``accuracy_source="server_validation"``.
       lr, momentum, weight_decay, clip_norm: local SGD (the paper's 0.01, 0.9, 5e-4 on kernels, no clipping).
+      local_epochs, batch_size: E and B (HBFL's baseline at the HBFL spec's section 4 setting: 5 and 128).
       weighting: ``"accuracy"`` (w_k = acc_k / sum acc) or ``"accuracy_by_size"`` (w_k prop. to n_k acc_k).
       accuracy_source: ``"server_validation"`` (the server scores each model on ``validation``) or
         ``"client_test"`` (each client reports its model's accuracy on its own test split, sent as

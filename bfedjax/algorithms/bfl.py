@@ -32,6 +32,7 @@ from bfedjax.tasks import PREDICT_BATCH_SIZE, classification, in_batches
 from bfedjax.vi.meanfield import MeanFieldConfig, MeanFieldVI
 
 RULES = tuple(sorted(aggregation.RULES)) + ("dwc",)
+UNWEIGHTED_RULES = ("conflation", "iv", "dwc")  # fuse the variational leaves whatever the client weights
 SCALE_MIN = 1e-6  # floor of the aggregated posterior scale (the spec's recommendation)
 KL_DIVISORS = ("client", "federation")  # the KL per mini-batch over |D_k| or over |D| (spec D5)
 

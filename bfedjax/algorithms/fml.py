@@ -31,7 +31,7 @@ from bfedjax.tasks import EVAL_BATCH_SIZE, classification
 WEIGHTINGS = ("equal", "by_size")
 
 
-def fml(model, *, input_shape: Sequence[int], local_models: Sequence | None = None, lr: float = 0.01, local_epochs: int = 1,
+def fml(model, *, input_shape: Sequence[int], local_models: Sequence | None = None, lr: float = 0.01, local_epochs: int = 5,
         batch_size: int = 128, alpha: float = 0.5, beta: float = 0.5, distill_temperature: float = 1.0,
         weight_decay: float = 5e-4, momentum: float = 0.9, reinit_local: bool = False,
         weighting: str = "equal", head_models: Sequence | None = None) -> Algorithm:
@@ -42,6 +42,7 @@ def fml(model, *, input_shape: Sequence[int], local_models: Sequence | None = No
       local_models: one Flax classifier per architecture group (``simulate(..., client_groups=...)``);
         ``None``: the meme's architecture on every client (the common setting).
       lr, weight_decay, momentum: SGD of both models (hyper-parameter ``lr`` is traced).
+      local_epochs, batch_size: E and B (HBFL's baseline at the HBFL spec's section 4 setting: 5 and 128).
       alpha, beta: CE weights of the local and the meme loss (0.5, 0.5); ``beta = 1`` makes the
         meme's loss plain CE. distill_temperature: of both KL terms (1).
       reinit_local: a fresh local model every round (default: persisted, as FML).

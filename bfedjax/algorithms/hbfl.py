@@ -70,7 +70,7 @@ def sample_weights(meme: dict, key) -> dict:
 
 
 def hbfl(model, *, input_shape: Sequence[int], local_models: Sequence | None = None, lr: float = 0.01,
-         meme_lr: float = 1e-3, local_epochs: int = 1, batch_size: int = 128, temperature: float = 1e-4,
+         meme_lr: float = 1e-3, local_epochs: int = 5, batch_size: int = 128, temperature: float = 1e-4,
          alpha: float = 0.5, distill_temperature: float = 1.0, rho_init: float = -5.0, rho_init_std: float = 0.0,
          sigma: str = "reinit", reinit_local: bool = False, teacher: str = "mean", teacher_samples: int = 4,
          weight_decay: float = 5e-4, momentum: float = 0.9, meme_weight_decay: float = 5e-4,
@@ -89,6 +89,7 @@ def hbfl(model, *, input_shape: Sequence[int], local_models: Sequence | None = N
         has the meme's architecture (the common setting); ``()``: no local model, the
         "Bayesian aggregation only" ablation (meme and product, nothing distilled).
       lr: the local models' SGD step (0.01, momentum ``momentum`` 0.9, ``weight_decay`` 5e-4).
+      local_epochs, batch_size: E and B of both models (the spec's section 4: 5 and 128).
       meme_lr: the meme's Adam step (1e-3); ``meme_weight_decay`` 5e-4 on ``mu`` only, or on
         ``mu`` and ``rho`` with ``decay_rho`` (Decision 8).
       temperature: the likelihood temperature T of Eq. 4.1 (1e-4).

@@ -1,7 +1,7 @@
 """Data sets and client partitioning for federated experiments."""
 
-from bfedjax.data.sources import (DATASETS, PIXELS, Dataset, DataDirNotFoundError, DataUnavailableError, available,
-                                  holdout, load)
+from bfedjax.data.sources import (DATASETS, EMNIST_CONFIGS, PIXELS, Dataset, DataDirNotFoundError,
+                                  DataUnavailableError, available, holdout, load)
 from bfedjax.data.validate import NonFiniteInputsWarning, check_dataset
 from bfedjax.data.partition import (
     PARTITIONERS,
@@ -22,7 +22,8 @@ from bfedjax.data.augment import AUGMENTATIONS, augmentation, augmented, random_
 from bfedjax.data.autoaugment import autoaugment_cutout, cutout
 from bfedjax.data.segmentation import foreground, institution_parts, load_drive, load_fets, load_fets_volumes, vessels
 
-__all__ = ["DATASETS", "PIXELS", "Dataset", "DataDirNotFoundError", "DataUnavailableError", "NonFiniteInputsWarning",
+__all__ = ["DATASETS", "EMNIST_CONFIGS", "PIXELS", "Dataset", "DataDirNotFoundError", "DataUnavailableError",
+           "NonFiniteInputsWarning",
            "check_dataset", "available", "holdout", "load", "PARTITIONERS", "class_groups", "describe",
            "dirichlet_niid_bench", "dirichlet_per_class", "dirichlet_per_client", "dirichlet_train_test", "iid", "partition", "power_law", "shards", "single_class",
            "FederatedData", "from_partition", "join_tasks", "stack_clients", "AUGMENTATIONS", "augmentation", "augmented", "autoaugment_cutout", "cutout", "random_crop_flip", "random_shift_flip",

@@ -37,6 +37,7 @@ __all__ = [
     "DataDirNotFoundError",
     "DataUnavailableError",
     "DATASETS",
+    "EMNIST_CONFIGS",
     "available",
     "load",
     "read_idx",
@@ -67,7 +68,7 @@ FedRef spec section 7c: mask = clean pixel > 0.5, input = the image plus Gaussia
 FOREGROUND_SUFFIX = "_foreground"
 DATASETS += tuple(name + FOREGROUND_SUFFIX for name in FOREGROUND_SOURCES)
 
-_EMNIST_CONFIGS = ("byclass", "bymerge", "balanced", "letters", "digits", "mnist")
+EMNIST_CONFIGS = ("byclass", "bymerge", "balanced", "letters", "digits", "mnist")
 
 # (mean, std) applied after scaling to [0, 1]; per channel where a tuple.
 _MNIST_NORM = (0.1307, 0.3081)
@@ -410,7 +411,7 @@ def _canonical(name: str) -> tuple[str, str | None]:
     base = base.replace("-", "_")
     if base == "fashionmnist":
         base = "fashion_mnist"
-    valid = (", ".join(DATASETS) + ", emnist/<" + "|".join(_EMNIST_CONFIGS) + ">, fets/classes, "
+    valid = (", ".join(DATASETS) + ", emnist/<" + "|".join(EMNIST_CONFIGS) + ">, fets/classes, "
              "fets_volumes[/<D>x<H>x<W>][/classes]")
     if base not in DATASETS or (config and base not in ("emnist", "fets", "fets_volumes")):
         raise ValueError(f"unknown data set {name!r}; fix: use one of the valid names: {valid}")
@@ -420,7 +421,7 @@ def _canonical(name: str) -> tuple[str, str | None]:
         fets_config(f"{base}/{config}")  # a one-line ValueError for a bad size or label scheme
     if base == "emnist":
         config = config or "balanced"
-        if config not in _EMNIST_CONFIGS:
+        if config not in EMNIST_CONFIGS:
             raise ValueError(f"unknown EMNIST config {config!r} in {name!r}; fix: use one of the valid names: {valid}")
     return base, (config or None)
 

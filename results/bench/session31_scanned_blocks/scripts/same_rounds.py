@@ -21,7 +21,7 @@ def save(path):
     algorithms = {
         "bfl_flipout": bf.algorithms.build("bfl", model, fed, batch_size=32),
         "bfl_lr": bf.algorithms.build("bfl", model, fed, batch_size=32, gradient_estimator="local_reparameterization"),
-        "hbfl": bf.algorithms.build("hbfl", model, fed, batch_size=32, rho_init_std=0.1),
+        "hbfl": bf.algorithms.build("hbfl", model, fed, batch_size=32, local_epochs=1, rho_init_std=0.1),
         "fedavg_dp": bf.algorithms.build("fedavg", model, fed, batch_size=32, dp_clip=1.0, dp_noise=1.0),
     }
     leaves = {}
