@@ -279,6 +279,17 @@ def _mean_sd(values, digits=4) -> str:
     return spread.mean_pm(values, digits)
 
 
+def _moved_cell(values) -> str:
+    """The "moved" column: the mean (± sample std over seeds) to 3 significant digits, since it spans from 1e-4
+    (a model left near its initialisation) to 1e17 (a diverged one)."""
+    values = np.asarray(values, np.float64)
+    if not np.all(np.isfinite(values)):
+        return _mean_sd(values)  # names the seeds that diverged to inf / nan
+    if len(values) == 1:
+        return f"{values[0]:.3g}"
+    return f"{np.mean(values):.3g} ± {np.std(values, ddof=1):.2g}"
+
+
 def _curve_table(records, methods, metric_pairs, rounds_shown) -> list[str]:
     """Rows = rounds, columns = methods, cells = mean over seeds of each metric pair (e.g. acc / loss)."""
     lines = ["| round | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
@@ -349,7 +360,7 @@ def segmentation_report(section: Section, records, data) -> list[str]:
                      f"{_mean_sd(last('global_iou'))} | {_mean_sd(last('global_hd95'), 2)} | "
                      f"{_mean_sd(last('global_authors_dice'))} | {_mean_sd(best('global_authors_dice'))} | "
                      f"{_mean_sd(last('global_authors_iou'))} | {_mean_sd(last('global_authors_hd95'), 3)} |"
-                     + (f" {_mean_sd([r['param_change'] for r in runs], 5)} |" if moved else ""))
+                     + (f" {_moved_cell([r['param_change'] for r in runs])} |" if moved else ""))
     if section.kind == "foreground":
         t = noisy_threshold_scores(data)
         lines.append(f"| threshold | {t['dice']:.4f} | | {t['iou']:.4f} | {t['hd95']:.2f} | | | | |"
