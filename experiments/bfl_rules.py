@@ -81,6 +81,12 @@ SIGMA_0 = MeanFieldConfig.init_scale  # every variational client's initial poste
 BASELINES = ("fedavg", "mc_dropout")  # deterministic and MC-dropout MLPs, FedAvg (= NWA, train size)
 RETAINED = (0.5, 0.7, 0.9, 1.0)  # fractions of the test set kept by the accuracy-vs-retained curves
 RANKINGS = ("entropy", "epistemic")  # what those curves discard first (spec section 7)
+LEVEL = 0.01  # accuracy gaps within this are "level" (the grouping verdict, the weighting finding)
+
+
+def setting_rows(rows, setting) -> dict:
+    """``{method: row}`` of one ``(epochs, rounds, partition)`` setting of ``rows`` (keyed by the 4-tuples)."""
+    return {m: v for (e, r, p, m), v in rows.items() if (e, r, p) == tuple(setting)}
 
 
 def label(rule: str, weighting: str) -> str:
@@ -197,7 +203,7 @@ def mean_and_sd(values):
 
 
 def _word(gap) -> str:
-    return "ahead of" if gap > 0.01 else ("level with" if gap > -0.01 else "behind")
+    return "ahead of" if gap > LEVEL else ("level with" if gap > -LEVEL else "behind")
 
 
 def group_gap(rows, epochs, rounds, partition):
@@ -264,7 +270,7 @@ def baselines(rows, epochs, rounds, partition):
     det, mc = get("fedavg"), get("mc_dropout")
     if det is None or mc is None:
         return "n/a"
-    rules = [m for (e, r, p, m) in rows if (e, r, p) == (epochs, rounds, partition) and m not in BASELINES]
+    rules = [m for m in setting_rows(rows, (epochs, rounds, partition)) if m not in BASELINES]
     best = max(rules, key=lambda m: get(m)["accuracy"][0]) if rules else None
     text = (f"MC dropout {mc['accuracy'][0]:.4f} accuracy / NLL {mc['nll'][0]:.3f} / ECE {mc['ece'][0]:.3f} "
             f"against deterministic FedAvg {det['accuracy'][0]:.4f} / {det['nll'][0]:.3f} / {det['ece'][0]:.3f}")
@@ -281,10 +287,10 @@ def mc_dropout_summary(rows) -> str:
     if not pairs:
         return ""
     n = len(pairs)
-    level = sum(abs(mc["accuracy"][0] - det["accuracy"][0]) <= 0.01 for mc, det in pairs)
+    level = sum(abs(mc["accuracy"][0] - det["accuracy"][0]) <= LEVEL for mc, det in pairs)
     worse_nll = sum(mc["nll"][0] > det["nll"][0] for mc, det in pairs)
     worse_ece = sum(mc["ece"][0] > det["ece"][0] for mc, det in pairs)
-    return (f"MC dropout against the deterministic baseline over the {n} settings: accuracy within 0.01 in "
+    return (f"MC dropout against the deterministic baseline over the {n} settings: accuracy within {LEVEL} in "
             f"{level}, higher NLL in {worse_nll} and higher ECE in {worse_ece}. In the paper the MC-dropout "
             "ResNet-20 is the best-calibrated model, with dropout after each of its 21 convolutions; here a "
             f"dropout layer ({FLAGS.dropout_rate}) follows each of the MLP's {len(FLAGS.hidden)} hidden layers.")
@@ -314,7 +320,7 @@ def write_results(rows, data):
     for setting in FLAGS.settings:
         epochs, rounds = (int(v) for v in setting.split(":"))
         for partition in FLAGS.partitions:
-            here = {method: v for (e, r, p, method), v in rows.items() if (e, r, p) == (epochs, rounds, partition)}
+            here = setting_rows(rows, (epochs, rounds, partition))
             lines += [f"## E = {epochs}, {rounds} rounds, {partition}", "",
                       "| method | accuracy | NLL | ECE | acc@10 | mean posterior scale | floor hits |",
                       "|---|---|---|---|---|---|---|"]
@@ -354,10 +360,11 @@ def weights_text() -> str:
 
 
 def weighted_rules(here) -> dict[str, dict[str, dict]]:
-    """``{rule: {weighting: row}}`` of the rules run under more than one of ``--weightings`` in ``here``."""
+    """``{rule: {weighting: row}}`` of the rules run under more than one of ``--weightings`` in ``here`` (the
+    baselines' one row carries every weighting's label, so they are skipped)."""
     table = {}
     for rule in dict.fromkeys(m.partition("/")[0] for m in here):
-        if rule in BASELINES or rule in UNWEIGHTED_RULES:
+        if rule in BASELINES:
             continue
         runs = {w: here[label(rule, w)] for w in FLAGS.weightings if label(rule, w) in here}
         if len(runs) > 1:
@@ -393,14 +400,14 @@ def weighting_finding(rows) -> str:
     """Whether the choice of client weighting moves a rule's final accuracy, over every setting (computed)."""
     gaps = []
     for setting in sorted({(e, r, p) for (e, r, p, _) in rows}):
-        here = {m: v for (e, r, p, m), v in rows.items() if (e, r, p) == setting}
-        gaps += [(setting, rule, *weighting_spread(runs)) for rule, runs in weighted_rules(here).items()]
+        gaps += [(setting, rule, *weighting_spread(runs))
+                 for rule, runs in weighted_rules(setting_rows(rows, setting)).items()]
     if not gaps:
         return "n/a"
-    wide = [g for g in gaps if g[2] > 0.01]
+    wide = [g for g in gaps if g[2] > LEVEL]
     (e, _, p), rule, gap, sd = max(gaps, key=lambda g: g[2])
     return (f"The paper finds its choice of weighting (Train Size, Max Disc, Distance) inconclusive. Here {len(wide)} "
-            f"of {len(gaps)} rule-and-setting pairs move by more than 0.01 accuracy between the weightings "
+            f"of {len(gaps)} rule-and-setting pairs move by more than {LEVEL} accuracy between the weightings "
             f"{', '.join(FLAGS.weightings)}; the widest gap is {gap:.4f} ({rule}, E = {e}, {p}; the largest seed "
             f"std among its weightings {sd:.4f}).")
 
@@ -455,7 +462,7 @@ def plot_curves(rows) -> None:
     panels = sorted({(e, r, p) for (e, r, p, _) in rows})
     fig, axes = plt.subplots(2, len(panels), squeeze=False, figsize=(5 * len(panels), 8.4))
     for column, (e, r, p) in enumerate(panels):
-        here = {m: v for (e2, r2, p2, m), v in rows.items() if (e2, r2, p2) == (e, r, p) and "accuracy_curve" in v}
+        here = {m: v for m, v in setting_rows(rows, (e, r, p)).items() if "accuracy_curve" in v}
         runs = {m: {"round": v["evaluated_rounds"][0], "global_accuracy": v["accuracy_curve"][0]}
                 for m, v in here.items()}
         plots.learning_curves(runs, ("global_accuracy",), ax=axes[0, column], title=f"E = {e}, {p}")

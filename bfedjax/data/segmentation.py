@@ -42,7 +42,8 @@ import re
 
 import numpy as np
 
-from bfedjax.data.sources import FOREGROUND_SOURCES, PIXELS, Dataset, DataUnavailableError, _get_many, _short, _tfds_remedy, tfds_quiet
+from bfedjax.data.sources import (FOREGROUND_SOURCES, PIXELS, Dataset, DataUnavailableError, _get_many, _short,
+                                  _tfds_remedy, tfds_quiet)
 
 __all__ = ["vessels", "foreground", "load_drive", "load_fets", "load_fets_volumes", "fets_config", "FETS_LABELS", "institution_parts", "load_tfds_segmentation", "load_segmentation",
            "trimap_to_mask"]
