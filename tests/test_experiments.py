@@ -502,6 +502,33 @@ def test_bfl_rules_tabulates_the_client_weightings(tmp_path):
     assert "the widest gap is 0.1500 (wc, E = 1, iid" in text
 
 
+def test_bfl_rules_logs_the_dirichlet_client_sizes(tmp_path):
+    """dir<alpha> partitions (spec D13): the report logs every seed's client sizes from the sampler the flag names
+    (NIID-Bench's: unequal; equal_size: |D| // K each) and WC by train size against conflation."""
+    import bfedjax as bf
+    out_file = tmp_path / "rules.md"
+    row = lambda acc, scale: {"accuracy": [acc, 0.01], "nll": [0.3, 0.1], "ece": [0.05, 0.02], "scale": [scale, 0.0],
+                              "runs": [2, 0.0]}
+    out_file.with_suffix(".json").write_text(json.dumps({"1 2 dir0.5 wc": row(0.9, 2e-3),
+                                                         "1 2 dir0.5 conflation": row(0.875, 1e-3)}))
+    common = ("--report_only", "--settings=1:2", "--partitions=dir0.5", "--seeds=0,1", "--rules=wc,conflation",
+              f"--results_file={out_file}")
+    _script("experiments.bfl_rules", *common)
+    text = out_file.read_text()
+    y = bf.data.load("digits").y_train
+    sizes = [sorted(len(p) for p in bf.data.partition(y, "dirichlet_niid_bench", 10, seed=s, alpha=0.5))
+             for s in (0, 1)]
+    assert sizes[0] != [len(y) // 10] * 10  # unequal, so the line below says something
+    assert (f"Client sizes, smallest first (seed 0: {', '.join(map(str, sizes[0]))}; "
+            f"seed 1: {', '.join(map(str, sizes[1]))}); the largest client holds "
+            f"{max(s[-1] / s[0] for s in sizes):.2f}x the smallest, so train-size weights differ") in text
+    assert "WC by train size minus conflation: +0.0250 accuracy, +0.0000 NLL, final mean posterior scale 2.00e-03 " \
+           "vs 1.00e-03" in text
+    _script("experiments.bfl_rules", *common, "--dirichlet_sampler=equal_size")
+    equal = ", ".join([str(len(y) // 10)] * 10)
+    assert f"(seed 0: {equal}; seed 1: {equal}); the largest client holds 1.00x the smallest." in out_file.read_text()
+
+
 def test_fedref_table_reports_cached_runs(tmp_path):
     """The FedRef table from cached runs (no training): the foreground section's rows, the untrained threshold row,
     how far each model moved, and the verdict read off the authors' row with its chance rate."""
