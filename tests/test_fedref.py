@@ -117,6 +117,7 @@ def test_code_variant_is_a_per_tensor_scalar_shift(fix_ref_delta, reference, lam
     s = (sum(losses[r]) - sum(losses[r - 1])) / C
     ref, prev_ref = _weighted_ref(p, r, reference), _weighted_ref(p, r - 1, reference)
     lam2 = lam if lam_ref is None else lam_ref
+    shifts, ratios = [], []
     for path, theta in jax.tree_util.tree_leaves_with_path(out[r][0]["params"]):
         get = lambda tree: np.asarray(dict(jax.tree_util.tree_leaves_with_path(tree))[path])
         a, a_prev, rr, rr_prev = get(AGGS[4]), get(AGGS[3]), get(ref), get(prev_ref)
@@ -128,7 +129,14 @@ def test_code_variant_is_a_per_tensor_scalar_shift(fix_ref_delta, reference, lam
         np.testing.assert_allclose(shift, np.full_like(a, shift.flat[0]), atol=1e-6)
         expected = -lr * (s + lam * np.linalg.norm(a - a_prev) + lam2 * np.linalg.norm(d_ref))
         np.testing.assert_allclose(shift.flat[0], expected, rtol=1e-4, atol=1e-6)
+        shifts.append(abs(expected))
+        rms_step = np.sqrt(np.mean(np.square(a - a_prev)))  # 0 for the zero-initialised biases here
+        ratios.append(abs(expected) / rms_step if rms_step > 0 else 0.0)
     assert out[r][1]["fedref_shift"] == pytest.approx(s, rel=1e-5)
+    # the per-tensor shift metrics: the largest |shift| and the largest shift over its tensor's RMS FedAvg step
+    assert out[r][1]["fedref_layer_shift"] == pytest.approx(max(shifts), rel=1e-4)
+    assert out[r][1]["fedref_layer_shift_ratio"] == pytest.approx(max(ratios), rel=1e-4) and max(ratios) > 0
+    assert out[1][1]["fedref_layer_shift"] == 0.0  # a warm-up round broadcasts A_r unshifted
 
 
 @pytest.mark.parametrize("variant", ["code", "map_prox"])

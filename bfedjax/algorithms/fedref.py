@@ -83,6 +83,17 @@ def code_shift(agg, prev_agg, ref, prev_ref, s, lam, lam_ref, eta, bug_divisor: 
     return jax.tree.map(leaf, agg, prev_agg, ref, prev_ref)
 
 
+def layer_shifts(theta, agg, prev_agg):
+    """``(largest, relative)``: the largest per-tensor shift ``max_l mean|theta_l - A_l|`` (the ``code``
+    variant's scalar ``eta (s + lam ||dA_l|| + lam_ref ||dR_l||)`` of each tensor, whose entries all move alike)
+    and the largest ratio of a tensor's shift to the RMS entry of its aggregate's change ``A_l - A_{l-1}``
+    (how many of that round's typical FedAvg entry steps the tensor was shifted; 0 where it did not change)."""
+    shift = [jnp.mean(jnp.abs(t - a)) for t, a in zip(jax.tree.leaves(theta), jax.tree.leaves(agg))]
+    step = [jnp.sqrt(jnp.mean(jnp.square(a - ap))) for a, ap in zip(jax.tree.leaves(agg), jax.tree.leaves(prev_agg))]
+    relative = [jnp.where(d > 0, m / jnp.where(d > 0, d, 1.0), 0.0) for m, d in zip(shift, step)]
+    return jnp.max(jnp.stack(shift)), jnp.max(jnp.stack(relative))
+
+
 def corrected(variant: str, agg, prev_agg, ref, prev_ref, s, lam, lam_ref, eta, ref_share, bug_divisor: float,
               fix_ref_delta: bool, ref_through_A: bool):
     """``theta_r`` of one variant from ``A_r``, ``A_{r-1}``, ``R_r``, ``R_{r-1}`` (pytrees) and scalars.
@@ -158,8 +169,9 @@ def with_reference_model(algorithm: Algorithm, *, loss_fn, variant: str = "code"
     Returns:
       The algorithm with ``server["fedref"]`` (ring buffer ``[P, ...]``, previous aggregate,
       reference and loss sum). Metrics: ``fedref_correction`` ``||theta_r - A_r|| / ||A_r - A_{r-1}||``
-      and, for ``code``, ``fedref_shift`` (``s``) and ``weighted_loss``; ``fedref_lambda_ref`` (lambda_2 this
-      round) when it has a schedule. The aggregation is not streamed.
+      and, for ``code``, ``fedref_shift`` (``s``), ``weighted_loss`` and the per-tensor shifts'
+      ``fedref_layer_shift`` and ``fedref_layer_shift_ratio`` (``layer_shifts``); ``fedref_lambda_ref``
+      (lambda_2 this round) when it has a schedule. The aggregation is not streamed.
     """
     for name, value, valid in (("variant", variant, VARIANTS), ("reference", reference, REFERENCES),
                                ("loss_report", loss_report, LOSS_REPORTS), ("loss_term", loss_term, LOSS_TERMS)):
@@ -238,6 +250,9 @@ def with_reference_model(algorithm: Algorithm, *, loss_fn, variant: str = "code"
             ref = mean_of(ring, filled)
         step_size = optax.tree.norm(jax.tree.map(jnp.subtract, agg, state["prev_agg"]))
         change = optax.tree.norm(jax.tree.map(jnp.subtract, theta, agg))
+        if variant == "code":
+            largest, relative = layer_shifts(theta, agg, state["prev_agg"])
+            extra = {**extra, "fedref_layer_shift": largest, "fedref_layer_shift_ratio": relative}
         metrics = {**metrics, **extra, "fedref_correction": jnp.where(step_size > 0, change / step_size, 0.0)}
         fedref = {"ring": ring, "pushed": pushed, "prev_agg": agg, "prev_ref": ref, "prev_loss": loss_sum}
         return {**new, "params": theta, STATE_KEY: fedref}, metrics
