@@ -144,11 +144,13 @@ def client_split(labels, partition: str, seed: int) -> list[np.ndarray]:
 
 
 def client_sizes(labels, partition: str) -> str:
-    """The report's line on ``partition``'s client sizes under each of ``--seeds`` (spec D13: log them)."""
+    """The report's line on ``partition``'s client sizes under each of ``--seeds`` (spec D13: log them), drawn
+    again by ``--dirichlet_sampler`` (with ``--report_only``: the flags given now, which the line names)."""
     per_seed = [sorted(len(p) for p in client_split(labels, partition, int(seed))) for seed in FLAGS.seeds]
     text = "; ".join(f"seed {seed}: {', '.join(map(str, sizes))}" for seed, sizes in zip(FLAGS.seeds, per_seed))
     ratio = max(s[-1] / s[0] for s in per_seed)
-    return (f"Client sizes, smallest first ({text}); the largest client holds {ratio:.2f}x the smallest"
+    return (f"Client sizes ({FLAGS.dirichlet_sampler} sampler), smallest first ({text}); the largest client holds "
+            f"{ratio:.2f}x the smallest"
             + (", so train-size weights differ from equal ones." if ratio > 1.05 else "."))
 
 
@@ -392,7 +394,11 @@ def write_results(rows, data):
 def wc_against_conflation(here) -> str:
     """WC under train-size weights against conflation in one setting (spec D13: with unequal client sizes they
     differ; under uniform weights they coincide, spec check 3)."""
-    wc, conflation = here.get("wc"), here.get(label("conflation", FLAGS.weightings[0]))
+    first = FLAGS.weightings[0]
+    if first != "by_size":  # conflation ran under it, which also weighs the deterministic biases
+        return (f"WC by train size against conflation: n/a (conflation ran under {first} weights; list by_size "
+                "first in --weightings to compare the two).")
+    wc, conflation = here.get("wc"), here.get(label("conflation", first))
     if wc is None or conflation is None:
         return "WC by train size against conflation: n/a (not both run)."
     gap = lambda k: wc[k][0] - conflation[k][0]

@@ -519,7 +519,7 @@ def test_bfl_rules_logs_the_dirichlet_client_sizes(tmp_path):
     sizes = [sorted(len(p) for p in bf.data.partition(y, "dirichlet_niid_bench", 10, seed=s, alpha=0.5))
              for s in (0, 1)]
     assert sizes[0] != [len(y) // 10] * 10  # unequal, so the line below says something
-    assert (f"Client sizes, smallest first (seed 0: {', '.join(map(str, sizes[0]))}; "
+    assert (f"Client sizes (niid_bench sampler), smallest first (seed 0: {', '.join(map(str, sizes[0]))}; "
             f"seed 1: {', '.join(map(str, sizes[1]))}); the largest client holds "
             f"{max(s[-1] / s[0] for s in sizes):.2f}x the smallest, so train-size weights differ") in text
     assert "WC by train size minus conflation: +0.0250 accuracy, +0.0000 NLL, final mean posterior scale 2.00e-03 " \
@@ -527,6 +527,12 @@ def test_bfl_rules_logs_the_dirichlet_client_sizes(tmp_path):
     _script("experiments.bfl_rules", *common, "--dirichlet_sampler=equal_size")
     equal = ", ".join([str(len(y) // 10)] * 10)
     assert f"(seed 0: {equal}; seed 1: {equal}); the largest client holds 1.00x the smallest." in out_file.read_text()
+    # conflation runs once, under the first weighting: against WC by train size only when that is by_size
+    out_file.with_suffix(".json").write_text(json.dumps({"1 2 dir0.5 wc": row(0.9, 2e-3),
+                                                         "1 2 dir0.5 conflation/uniform": row(0.875, 1e-3)}))
+    _script("experiments.bfl_rules", *common, "--weightings=uniform,by_size")
+    assert ("WC by train size against conflation: n/a (conflation ran under uniform weights; list by_size first in "
+            "--weightings to compare the two).") in out_file.read_text()
 
 
 def test_fedref_table_reports_cached_runs(tmp_path):
@@ -567,7 +573,8 @@ def test_fedref_table_reports_the_per_tensor_shift_of_cached_runs(tmp_path):
     cache = tmp_path / "quick"
     cache.mkdir()
     rounds, warm = 8, [0.0] * 6
-    methods = {"FedAvg": 0.70, "FedRef-code": 0.72, "FedRef-code (authors' dR)": 0.10, "FedRef-map_prox (rho 0.2)": 0.69}
+    methods = {"FedAvg": 0.70, "FedRef-code": 0.72, "FedRef-code (authors' dR)": 0.10,
+               "FedRef-map_prox (rho 0.2)": 0.69}
     for method, accuracy in methods.items():
         record = {"kind": "mnist5k_paper_lr", "method": method, "partition": "nested", "seed": 0, "pixels": "unit",
                   "record_version": 2, "train_size": 4000, "seconds": 30.0,
@@ -576,6 +583,8 @@ def test_fedref_table_reports_the_per_tensor_shift_of_cached_runs(tmp_path):
             record["fedref_correction"] = warm + [1.0, 2.0]
         if method.startswith("FedRef-code"):
             record["fedref_layer_shift_ratio"] = warm + ([1.5, 2.5] if method == "FedRef-code" else [3.0, 5.0])
+            # s falls then rises; round 7's largest shift is eta |s| = 4e-3 x 0.5, round 8's is not
+            record["fedref_shift"], record["fedref_layer_shift"] = warm + [-0.5, 0.2], warm + [2e-3, 1e-2]
         name = method.replace("(", "").replace(")", "").replace("'", "").replace(" ", "_")
         (cache / f"mnist5k_paper_lr_{name}_nested_s0_unit.json").write_text(json.dumps(record))
     out_file = tmp_path / "fedref.md"
@@ -583,11 +592,15 @@ def test_fedref_table_reports_the_per_tensor_shift_of_cached_runs(tmp_path):
             f"--results_file={out_file}")
     text = out_file.read_text()
     assert "Training time of the runs in this file: 2.0 minutes" in text  # every run came from the cache
-    assert "SGD 0.004" in text and "mean largest per-tensor shift / its RMS step |" in text
+    assert text.startswith("# FedRef and FedAvg (quick)")  # no FedProx or FedAdam rows in this section
+    assert "SGD 0.004" in text and "mean of max over tensors of shift / RMS of the tensor's A−A_prev |" in text
     assert "| FedRef-code | 0.7200 | 0.7200 | 1.0000 | 1.5000 | 2.000 |" in text
     assert "| FedRef-code (authors' dR) | 0.1000 | 0.1000 | 1.0000 | 1.5000 | 4.000 |" in text
     assert "| FedRef-map_prox (rho 0.2) | 0.6900 | 0.6900 | 1.0000 | 1.5000 | - |" in text
     assert "| FedAvg | 0.7000 | 0.7000 | 1.0000 | - | - |" in text
+    assert ("FedRef-code, 2 corrected rounds over 1 seeds: s, the change of the clients' mean reported loss, was "
+            "negative in 50% of them; the most-shifted tensor's shift was eta |s| within 1% (the lambda terms "
+            "negligible there) in 50%.") in text
     assert ("**Yes**: the authors' FedRef-code at their settings is ahead of FedAvg in every seed in 1 and behind in "
             "every seed in 0 of its 1 comparisons below.") in text
 

@@ -136,7 +136,8 @@ def test_code_variant_is_a_per_tensor_scalar_shift(fix_ref_delta, reference, lam
     # the per-tensor shift metrics: the largest |shift| and the largest shift over its tensor's RMS FedAvg step
     assert out[r][1]["fedref_layer_shift"] == pytest.approx(max(shifts), rel=1e-4)
     assert out[r][1]["fedref_layer_shift_ratio"] == pytest.approx(max(ratios), rel=1e-4) and max(ratios) > 0
-    assert out[1][1]["fedref_layer_shift"] == 0.0  # a warm-up round broadcasts A_r unshifted
+    assert out[p][1]["fedref_layer_shift"] == 0.0  # the last warm-up round (p + 1) broadcasts A_r unshifted
+    assert out[p + 1][1]["fedref_layer_shift"] > 0  # the first corrected round
 
 
 @pytest.mark.parametrize("variant", ["code", "map_prox"])
@@ -237,10 +238,11 @@ def test_client_loss_reports():
     params = bf.models.init_params(model, fed.input_shape, jax.random.PRNGKey(0))
     task = bf.tasks.classification(model)
     x, y, count = jnp.asarray(fed.x[0]), jnp.asarray(fed.y[0]), int(fed.counts[0])
-    by_hand = np.mean([float(task.loss(params, bf.core.types.Batch(x[i:i + 64], y[i:i + 64],
-                                                                     jnp.ones(min(64, count - i)))))
-                       for i in range(0, count, 64)])
-    assert float(mean_batch_loss(task.loss, params, x, y, count, 64)) == pytest.approx(by_hand, rel=1e-5)
+    for real in (count, 70):  # 70 rows real: one full batch and 6 rows, the other batches all padding (skipped)
+        rows = [slice(i, min(i + 64, real)) for i in range(0, real, 64)]
+        by_hand = np.mean([float(task.loss(params, bf.core.types.Batch(x[r], y[r], jnp.ones(r.stop - r.start))))
+                           for r in rows])
+        assert float(mean_batch_loss(task.loss, params, x, y, real, 64)) == pytest.approx(by_hand, rel=1e-5)
     # last_batch: the loss of the last real batch, before its update
     algo = bf.algorithms.fedref(model, loss_report="last_batch", batch_size=64)
     ctx = bf.core.types.ClientContext({"params": params}, (), bf.core.types.ClientData(x, y, jnp.int32(count)),

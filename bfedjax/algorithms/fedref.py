@@ -86,8 +86,9 @@ def code_shift(agg, prev_agg, ref, prev_ref, s, lam, lam_ref, eta, bug_divisor: 
 def layer_shifts(theta, agg, prev_agg):
     """``(largest, relative)``: the largest per-tensor shift ``max_l mean|theta_l - A_l|`` (the ``code``
     variant's scalar ``eta (s + lam ||dA_l|| + lam_ref ||dR_l||)`` of each tensor, whose entries all move alike)
-    and the largest ratio of a tensor's shift to the RMS entry of its aggregate's change ``A_l - A_{l-1}``
-    (how many of that round's typical FedAvg entry steps the tensor was shifted; 0 where it did not change)."""
+    and, over the tensors, the largest ratio of a tensor's shift to the RMS entry of its aggregate's change
+    ``A_{r,l} - A_{r-1,l}`` (``fedref_correction``'s denominator, tensor by tensor; it holds the round's FedAvg
+    step plus the previous round's shift; a tensor that did not change counts 0)."""
     shift = [jnp.mean(jnp.abs(t - a)) for t, a in zip(jax.tree.leaves(theta), jax.tree.leaves(agg))]
     step = [jnp.sqrt(jnp.mean(jnp.square(a - ap))) for a, ap in zip(jax.tree.leaves(agg), jax.tree.leaves(prev_agg))]
     relative = [jnp.where(d > 0, m / jnp.where(d > 0, d, 1.0), 0.0) for m, d in zip(shift, step)]
