@@ -535,12 +535,24 @@ def test_bfl_rules_logs_the_dirichlet_client_sizes(tmp_path):
             "--weightings to compare the two).") in out_file.read_text()
 
 
+def _fedref_table_from_cache(tmp_path, part: str, records, suffix: str = "") -> str:
+    """Writes ``records`` as ``fedref_table``'s cached ``--quick`` runs of section ``part`` (its file names) and
+    returns the report the script makes from them."""
+    cache = tmp_path / "quick"
+    cache.mkdir()
+    for record in records:
+        name = re.sub(r"[()']", "", record["method"]).replace(" ", "_")
+        (cache / f"{part}_{name}_{record['partition']}_s{record['seed']}{suffix}.json").write_text(json.dumps(record))
+    out_file = tmp_path / "fedref.md"
+    _script("experiments.fedref_table", "--quick", f"--parts={part}", f"--output_dir={tmp_path}",
+            f"--results_file={out_file}")
+    return out_file.read_text()
+
+
 def test_fedref_table_reports_cached_runs(tmp_path):
     """The FedRef table from cached runs (no training): the foreground section's rows, the untrained threshold row,
     how far each model moved, and the verdict read off the authors' row with its chance rate."""
-    cache = tmp_path / "quick"
-    cache.mkdir()
-    rounds = 8  # --quick
+    rounds, records = 8, []  # --quick
     methods = {"FedAvg": 0.30, "FedRef-code": 0.31, "FedRef-map_prox (rho 0.2)": 0.29, "FedAvg (CE + soft Dice)": 0.8}
     for method, dice in methods.items():
         curve = [dice] * rounds
@@ -549,12 +561,8 @@ def test_fedref_table_reports_cached_runs(tmp_path):
                   **{f"global_{k}": curve for k in ("dice", "iou", "hd95", "authors_dice", "authors_iou",
                                                     "authors_hd95", "loss")},
                   **({"fedref_correction": [0.0] * rounds} if method.startswith("FedRef") else {})}
-        name = method.replace("(", "").replace(")", "").replace(" ", "_")
-        (cache / f"foreground_{name}_nested_s0.json").write_text(json.dumps(record))
-    out_file = tmp_path / "fedref.md"
-    _script("experiments.fedref_table", "--quick", "--parts=foreground", f"--output_dir={tmp_path}",
-            f"--results_file={out_file}")
-    text = out_file.read_text()
+        records.append(record)
+    text = _fedref_table_from_cache(tmp_path, "foreground", records)
     assert "Training time of the runs in this file: 4.0 minutes" in text  # every run came from the cache
     assert "| FedRef-code | 0.3100 | 0.3100 |" in text and text.count("| 0.0001 |") == 3 and "| 0.2 |" in text
     threshold = [line for line in text.splitlines() if line.startswith("| threshold |")]
@@ -570,9 +578,7 @@ def test_fedref_table_reports_the_per_tensor_shift_of_cached_runs(tmp_path):
     """Spec 7a at the paper's lr from cached runs (no training): the accuracy columns, FedRef-code's per-tensor
     shift averaged over the rounds after its warm-up (p + 1 = 6 of the 8 quick rounds), '-' for the rows without it,
     and the verdict over the section's FedRef rows."""
-    cache = tmp_path / "quick"
-    cache.mkdir()
-    rounds, warm = 8, [0.0] * 6
+    rounds, warm, records = 8, [0.0] * 6, []
     methods = {"FedAvg": 0.70, "FedRef-code": 0.72, "FedRef-code (authors' dR)": 0.10,
                "FedRef-map_prox (rho 0.2)": 0.69}
     for method, accuracy in methods.items():
@@ -585,12 +591,8 @@ def test_fedref_table_reports_the_per_tensor_shift_of_cached_runs(tmp_path):
             record["fedref_layer_shift_ratio"] = warm + ([1.5, 2.5] if method == "FedRef-code" else [3.0, 5.0])
             # s falls then rises; round 7's largest shift is eta |s| = 4e-3 x 0.5, round 8's is not
             record["fedref_shift"], record["fedref_layer_shift"] = warm + [-0.5, 0.2], warm + [2e-3, 1e-2]
-        name = method.replace("(", "").replace(")", "").replace("'", "").replace(" ", "_")
-        (cache / f"mnist5k_paper_lr_{name}_nested_s0_unit.json").write_text(json.dumps(record))
-    out_file = tmp_path / "fedref.md"
-    _script("experiments.fedref_table", "--quick", "--parts=mnist5k_paper_lr", f"--output_dir={tmp_path}",
-            f"--results_file={out_file}")
-    text = out_file.read_text()
+        records.append(record)
+    text = _fedref_table_from_cache(tmp_path, "mnist5k_paper_lr", records, "_unit")
     assert "Training time of the runs in this file: 2.0 minutes" in text  # every run came from the cache
     assert text.startswith("# FedRef and FedAvg (quick)")  # no FedProx or FedAdam rows in this section
     assert "SGD 0.004" in text and "mean of max over tensors of shift / RMS of the tensor's A−A_prev |" in text
