@@ -116,8 +116,6 @@ def fedref(variant: str, p: int, lr: float, rho: float | None = None, **options)
     return Method("fedref", {"variant": variant, "lam": 0.01 if rho is None else rho / (2 * lr), "p": p, **options})
 
 
-
-
 def classifiers(lr: float) -> dict[str, Method]:
     """Spec 7a's grid of methods at client learning rate ``lr`` (FedRef-code's eta = ``lr``, map_prox's and l2's
     lambda = rho / (2 lr))."""
@@ -303,10 +301,15 @@ def run_one(section: Section, method: str, partition: str, seed: int, data, mode
     return record
 
 
+def after_warmup(record: dict, method: Method, key: str) -> np.ndarray:
+    """A FedRef run's per-round ``key`` over the rounds after its warm-up (the first p + 1 rounds are FedAvg's)."""
+    return np.asarray(record[key][method.options["p"] + 1:], np.float64)
+
+
 def mean_correction(record: dict, method: Method, key: str = "fedref_correction") -> float:
     """The mean of a FedRef run's per-round ``key`` (``fedref_correction``, or FedRef-code's
-    ``fedref_layer_shift_ratio``) over the rounds after its warm-up (the first p + 1 rounds are FedAvg's, 0)."""
-    return float(np.mean(record[key][method.options["p"] + 1:]))
+    ``fedref_layer_shift_ratio``) after its warm-up."""
+    return float(np.mean(after_warmup(record, method, key)))
 
 
 def _mean_sd(values, digits=4) -> str:
@@ -392,15 +395,16 @@ def classification_report(section: Section, records, data) -> list[str]:
 def shift_sign(section: Section, part) -> list[str]:
     """What sets FedRef-code's per-tensor shift ``-eta (s + lam ||dA_l|| + lam ||dR_l||)`` in ``part``'s runs
     (those that recorded ``fedref_layer_shift``): how often ``s``, the change of the clients' mean reported loss,
-    is negative after the warm-up (every weight then grows), and how often the most-shifted tensor's shift is
-    ``eta |s|`` within 1% (the lambda terms negligible: then, with ``s < 0``, every weight grows)."""
+    is negative after the warm-up, and how often the most-shifted tensor's shift is ``eta |s|`` within 1% (the
+    lambda terms negligible there: with ``s < 0``, that tensor grows by ``eta |s|``)."""
     runs = [r for r in part if r["method"] == "FedRef-code" and "fedref_layer_shift" in r]
     if not runs:
         return []
-    first = section.methods["FedRef-code"].options["p"] + 1
-    s = np.concatenate([np.asarray(r["fedref_shift"][first:]) for r in runs])
-    largest = np.concatenate([np.asarray(r["fedref_layer_shift"][first:]) for r in runs])
-    near = np.abs(section.lr * np.abs(s) - largest) <= 0.01 * largest
+    method = section.methods["FedRef-code"]
+    eta = method.options.get("server_lr", section.lr)  # the code's eta: the client lr unless set
+    s = np.concatenate([after_warmup(r, method, "fedref_shift") for r in runs])
+    largest = np.concatenate([after_warmup(r, method, "fedref_layer_shift") for r in runs])
+    near = np.abs(eta * np.abs(s) - largest) <= 0.01 * largest
     return ["", f"FedRef-code, {len(s)} corrected rounds over {len(runs)} seeds: s, the change of the clients' mean "
             f"reported loss, was negative in {np.mean(s < 0):.0%} of them; the most-shifted tensor's shift was "
             f"eta |s| within 1% (the lambda terms negligible there) in {np.mean(near):.0%}."]

@@ -133,7 +133,7 @@ def test_code_variant_is_a_per_tensor_scalar_shift(fix_ref_delta, reference, lam
         rms_step = np.sqrt(np.mean(np.square(a - a_prev)))  # 0 for the zero-initialised biases here
         ratios.append(abs(expected) / rms_step if rms_step > 0 else 0.0)
     assert out[r][1]["fedref_shift"] == pytest.approx(s, rel=1e-5)
-    # the per-tensor shift metrics: the largest |shift| and the largest shift over its tensor's RMS FedAvg step
+    # the per-tensor shift metrics: the largest |shift| and, over the tensors, the largest shift / RMS of A_r - A_{r-1}
     assert out[r][1]["fedref_layer_shift"] == pytest.approx(max(shifts), rel=1e-4)
     assert out[r][1]["fedref_layer_shift_ratio"] == pytest.approx(max(ratios), rel=1e-4) and max(ratios) > 0
     assert out[p][1]["fedref_layer_shift"] == 0.0  # the last warm-up round (p + 1) broadcasts A_r unshifted
@@ -238,7 +238,7 @@ def test_client_loss_reports():
     params = bf.models.init_params(model, fed.input_shape, jax.random.PRNGKey(0))
     task = bf.tasks.classification(model)
     x, y, count = jnp.asarray(fed.x[0]), jnp.asarray(fed.y[0]), int(fed.counts[0])
-    for real in (count, 70):  # 70 rows real: one full batch and 6 rows, the other batches all padding (skipped)
+    for real in (count, 70):  # 70 rows real: one full batch and 6 rows, the rows after them masked out
         rows = [slice(i, min(i + 64, real)) for i in range(0, real, 64)]
         by_hand = np.mean([float(task.loss(params, bf.core.types.Batch(x[r], y[r], jnp.ones(r.stop - r.start))))
                            for r in rows])

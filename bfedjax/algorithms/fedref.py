@@ -83,15 +83,16 @@ def code_shift(agg, prev_agg, ref, prev_ref, s, lam, lam_ref, eta, bug_divisor: 
     return jax.tree.map(leaf, agg, prev_agg, ref, prev_ref)
 
 
-def layer_shifts(theta, agg, prev_agg):
-    """``(largest, relative)``: the largest per-tensor shift ``max_l mean|theta_l - A_l|`` (the ``code``
-    variant's scalar ``eta (s + lam ||dA_l|| + lam_ref ||dR_l||)`` of each tensor, whose entries all move alike)
-    and, over the tensors, the largest ratio of a tensor's shift to the RMS entry of its aggregate's change
-    ``A_{r,l} - A_{r-1,l}`` (``fedref_correction``'s denominator, tensor by tensor; it holds the round's FedAvg
-    step plus the previous round's shift; a tensor that did not change counts 0)."""
-    shift = [jnp.mean(jnp.abs(t - a)) for t, a in zip(jax.tree.leaves(theta), jax.tree.leaves(agg))]
-    step = [jnp.sqrt(jnp.mean(jnp.square(a - ap))) for a, ap in zip(jax.tree.leaves(agg), jax.tree.leaves(prev_agg))]
-    relative = [jnp.where(d > 0, m / jnp.where(d > 0, d, 1.0), 0.0) for m, d in zip(shift, step)]
+def layer_shifts(correction, step):
+    """``(largest, relative)`` from the pytrees ``correction = theta_r - A_r`` and ``step = A_r - A_{r-1}``: the
+    largest per-tensor shift ``max_l mean|correction_l|`` (the ``code`` variant's scalar
+    ``eta (s + lam ||dA_l|| + lam_ref ||dR_l||)`` of each tensor, whose entries all move alike) and, over the
+    tensors, the largest ratio of a tensor's shift to the RMS entry of its ``step_l`` (``fedref_correction``'s
+    denominator, tensor by tensor; it holds the round's FedAvg step plus the previous round's shift; a tensor
+    that did not change counts 0)."""
+    shift = [jnp.mean(jnp.abs(c)) for c in jax.tree.leaves(correction)]
+    rms = [jnp.sqrt(jnp.mean(jnp.square(d))) for d in jax.tree.leaves(step)]
+    relative = [jnp.where(d > 0, m / jnp.where(d > 0, d, 1.0), 0.0) for m, d in zip(shift, rms)]
     return jnp.max(jnp.stack(shift)), jnp.max(jnp.stack(relative))
 
 
@@ -249,10 +250,11 @@ def with_reference_model(algorithm: Algorithm, *, loss_fn, variant: str = "code"
         if reference == "broadcast":  # the buffer holds what was broadcast
             ring = push(state["ring"], state["pushed"], theta)
             ref = mean_of(ring, filled)
-        step_size = optax.tree.norm(jax.tree.map(jnp.subtract, agg, state["prev_agg"]))
-        change = optax.tree.norm(jax.tree.map(jnp.subtract, theta, agg))
+        step = jax.tree.map(jnp.subtract, agg, state["prev_agg"])
+        correction = jax.tree.map(jnp.subtract, theta, agg)
+        step_size, change = optax.tree.norm(step), optax.tree.norm(correction)
         if variant == "code":
-            largest, relative = layer_shifts(theta, agg, state["prev_agg"])
+            largest, relative = layer_shifts(correction, step)
             extra = {**extra, "fedref_layer_shift": largest, "fedref_layer_shift_ratio": relative}
         metrics = {**metrics, **extra, "fedref_correction": jnp.where(step_size > 0, change / step_size, 0.0)}
         fedref = {"ring": ring, "pushed": pushed, "prev_agg": agg, "prev_ref": ref, "prev_loss": loss_sum}
