@@ -128,9 +128,10 @@ fedref-table: install data
 	$(PYTHON) -m experiments.fedref_table
 
 # Spec 7a's LeNet-5 and the paper's client lr 4e-3 on MNIST-5k (FedAvg and FedRef, 3 seeds, both partitions)
-# -> results/fedref_mnist5k_lenet_mnist5k_paper_lr.md (about an hour on 2 cores)
+# -> results/fedref_7a.md (about 2 hours on 2 cores)
 fedref-table-7a: install
-	$(PYTHON) -m experiments.fedref_table --parts=mnist5k_lenet,mnist5k_paper_lr
+	$(PYTHON) -m experiments.fedref_table --parts=mnist5k_lenet,mnist5k_paper_lr,mnist5k_lenet_paper_lr \
+		--results_file=results/fedref_7a.md
 
 fedref-table-quick: install data
 	$(PYTHON) -m experiments.fedref_table --quick

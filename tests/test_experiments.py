@@ -444,6 +444,10 @@ def test_bfl_rules_script_smoke(tmp_path):
     assert wc["scale"][0] != rows["1 2 shards wc/distance"]["scale"][0]
     assert wc["evaluated_rounds"][0] == [1.0, 2.0] and len(wc["accuracy_curve"][0]) == 2
     assert wc["retained_entropy"][0][-1] == pytest.approx(wc["accuracy"][0])  # all points kept: the accuracy
+    # the per-seed scalars beside the mean: one seed, so each is its metric's mean
+    assert wc["per_seed"]["seed"] == [0] and "accuracy_curve" not in wc["per_seed"]
+    scalars = ("accuracy", "nll", "scale")
+    assert [wc["per_seed"][m][0] for m in scalars] == [wc[m][0] for m in scalars]
     assert out_file.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -466,7 +470,8 @@ def test_bfl_rules_report_writes_the_chosen_spread(tmp_path):
              "runs": [3, 0.0]}
     from bfedjax.vi.meanfield import MeanFieldConfig
     sigma_0 = MeanFieldConfig.init_scale
-    wc = {**stats, "evaluated_rounds": [[2.0], [0.0]], "scale_curve": [[sigma_0 / 16], [0.0]]}  # 1/4 a round
+    wc = {**stats, "evaluated_rounds": [[2.0], [0.0]], "scale_curve": [[sigma_0 / 16], [0.0]],  # 1/4 a round
+          "per_seed": {"seed": [0, 1, 2], "accuracy": [0.89, 0.9, 0.91]}}
     out_file.with_suffix(".json").write_text(json.dumps({"1 2 iid wc": wc, "1 2 iid fedavg": stats}))
     common = ("--report_only", "--settings=1:2", "--partitions=iid", "--rules=wc", "--seeds=0",  # n from the file
               f"--results_file={out_file}")
@@ -478,6 +483,8 @@ def test_bfl_rules_report_writes_the_chosen_spread(tmp_path):
     _script("experiments.bfl_rules", *common, "--spread=ci95")
     text = out_file.read_text()
     assert "| wc | 0.9000 ± 0.0248 |" in text and "95% CI half-width" in text  # 4.3027 * 0.01 / sqrt(3)
+    # the rewritten JSON keeps the per-seed values as they were
+    assert json.loads(out_file.with_suffix(".json").read_text())["1 2 iid wc"]["per_seed"] == wc["per_seed"]
 
 
 def test_bfl_rules_tabulates_the_client_weightings(tmp_path):
