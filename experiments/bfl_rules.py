@@ -16,7 +16,7 @@ E = 5). ``--weightings`` runs every weighted rule under each client weighting (E
 Size, Max Disc and Distance of its section 3.8, or the section 7 spec's uniform), tabulates them side by side and
 checks the paper's "weighting is inconclusive"; conflation and DWC, whose variational weights ignore the client
 weights, run once, under the first weighting. The JSON file beside the report holds each row's mean and spread and
-(runs from session 39 on) its per-seed scalars under ``per_seed``, for paired comparisons.
+(runs from session 40 on) its per-seed scalars under ``per_seed``, for paired comparisons.
 """
 from __future__ import annotations
 
@@ -147,9 +147,9 @@ def client_split(labels, partition: str, seed: int) -> list[np.ndarray]:
 def client_sizes(labels, partition: str) -> str:
     """The report's line on ``partition``'s client sizes under each of ``--seeds`` (spec D13: log them), drawn
     again by ``--dirichlet_sampler`` (with ``--report_only``: the flags given now, which the line names)."""
-    per_seed = [sorted(len(p) for p in client_split(labels, partition, int(seed))) for seed in FLAGS.seeds]
-    text = "; ".join(f"seed {seed}: {', '.join(map(str, sizes))}" for seed, sizes in zip(FLAGS.seeds, per_seed))
-    ratio = max(s[-1] / s[0] for s in per_seed)
+    sizes = [sorted(len(p) for p in client_split(labels, partition, int(seed))) for seed in FLAGS.seeds]
+    text = "; ".join(f"seed {seed}: {', '.join(map(str, seed_sizes))}" for seed, seed_sizes in zip(FLAGS.seeds, sizes))
+    ratio = max(s[-1] / s[0] for s in sizes)
     return (f"Client sizes ({FLAGS.dirichlet_sampler} sampler), smallest first ({text}); the largest client holds "
             f"{ratio:.2f}x the smallest"
             + (", so train-size weights differ from equal ones." if ratio > 1.05 else "."))
@@ -242,7 +242,7 @@ def main(argv):
     write_results(rows, data)
 
 
-PER_SEED = "per_seed"  # a JSON row's per-seed scalars (files written before session 39 have none)
+PER_SEED = "per_seed"  # a JSON row's per-seed scalars (files written before session 40 have none)
 
 
 def per_seed(runs) -> dict[str, list]:

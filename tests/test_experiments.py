@@ -614,6 +614,20 @@ def test_fedref_table_reports_the_per_tensor_shift_of_cached_runs(tmp_path):
             "every seed in 0 of its 1 comparisons below.") in text
 
 
+def test_fedref_table_reports_a_section_without_fedref_rows(tmp_path):
+    """Section (h), the spec's baselines on LeNet-5, from cached runs: its title names no FedRef, its rows are
+    there, and the FedRef verdict is left out rather than printed empty."""
+    methods = {"FedAvg": 0.90, "FedProx (mu 0.5)": 0.89, "FedAdam": 0.93}
+    records = [{"kind": "mnist5k_lenet_baselines", "method": method, "partition": "nested", "seed": 0,
+                "pixels": "unit", "record_version": 2, "train_size": 4000, "seconds": 60.0,
+                "global_accuracy": [accuracy] * 8, "global_loss": [0.5] * 8} for method, accuracy in methods.items()]
+    text = _fedref_table_from_cache(tmp_path, "mnist5k_lenet_baselines", records, "_unit")
+    assert text.startswith("# FedAvg, FedProx and FedAdam (quick)")
+    assert "| FedAdam | 0.9300 | 0.9300 | 0.5000 |\n" in text and "| FedProx (mu 0.5) | 0.8900 |" in text
+    assert "mean correction" not in text  # no FedRef run, so no column of dashes
+    assert "Does FedRef beat FedAvg" not in text
+
+
 def test_fedreg_one_class_script_smoke(tmp_path):
     out_file = tmp_path / "one_class.md"
     _script("experiments.fedreg_one_class", "--model=mlp", "--rounds=2", "--seeds=0", "--local_epochs=1",
