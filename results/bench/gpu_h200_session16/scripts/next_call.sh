@@ -33,6 +33,10 @@
 #   on changes up to 4.24e-02 (two FedAvg rounds, MLP, K = 4). v4's two BFL rounds match HEAD's to 4.2e-07 on values
 #   up to 0.47: `PYTHONPATH=.gpu/v4 python $S/check_patches_cpu.py flatten /tmp/v4.npy`, the same with `PYTHONPATH=.` to
 #   /tmp/head.npy, then the largest absolute difference of the two arrays.
+# Session 42 checked it again at d1bd360 (no code in bfedjax/ has changed since b942f5b): all patches apply (the factored
+#   update's local_sgd.py hunks needed fuzz 2, so the patch was refreshed against d1bd360: the same added and removed
+#   lines, new context; `git apply --check` takes it), v3's forced factored update matches the plain step to 2.98e-08 on changes up to 4.24e-02,
+#   v4's BFL rounds match HEAD's to 2.0e-07 on values up to 0.47, and d833bca's tree archives.
 # Preparation, here, from the repository root (.gpu/ is in .git/info/exclude), then run with carry [".gpu"]:
 #   S=results/bench/gpu_h200_session16/scripts; rm -rf .gpu && mkdir -p .gpu/data .gpu/head .gpu/old .gpu/v2 .gpu/v3 .gpu/v4 .gpu/v5
 #   cp /usr/share/datasets/fashion-mnist/*.gz .gpu/data/; cp $S/ctime.py $S/next_call.sh .gpu/
