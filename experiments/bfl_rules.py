@@ -16,7 +16,8 @@ E = 5). ``--weightings`` runs every weighted rule under each client weighting (E
 Size, Max Disc and Distance of its section 3.8, or the section 7 spec's uniform), tabulates them side by side and
 checks the paper's "weighting is inconclusive"; conflation and DWC, whose variational weights ignore the client
 weights, run once, under the first weighting. The JSON file beside the report holds each row's mean and spread and
-(runs from session 40 on) its per-seed scalars under ``per_seed``, for paired comparisons.
+(runs from session 40 on) its per-seed scalars under ``per_seed``, for paired comparisons: with them the weighting
+finding also gives, seed by seed, the first weighting's accuracy minus the others' mean over the pairs that move.
 """
 from __future__ import annotations
 
@@ -476,16 +477,33 @@ def weighting_finding(rows) -> str:
     """Whether the choice of client weighting moves a rule's final accuracy, over every setting (computed)."""
     gaps = []
     for setting in sorted({(e, r, p) for (e, r, p, _) in rows}):
-        gaps += [(setting, rule, *weighting_spread(runs))
+        gaps += [(setting, rule, *weighting_spread(runs), runs)
                  for rule, runs in weighted_rules(setting_rows(rows, setting)).items()]
     if not gaps:
         return "n/a"
     wide = [g for g in gaps if g[2] > LEVEL]
-    (e, _, p), rule, gap, sd = max(gaps, key=lambda g: g[2])
+    (e, _, p), rule, gap, sd, _ = max(gaps, key=lambda g: g[2])
     return (f"The paper finds its choice of weighting (Train Size, Max Disc, Distance) inconclusive. Here {len(wide)} "
             f"of {len(gaps)} rule-and-setting pairs move by more than {LEVEL} accuracy between the weightings "
             f"{', '.join(FLAGS.weightings)}; the widest gap is {gap:.4f} ({rule}, E = {e}, {p}; the largest seed "
-            f"std among its weightings {sd:.4f}).")
+            f"std among its weightings {sd:.4f})." + first_weighting_by_seed([g[-1] for g in wide]))
+
+
+def first_weighting_by_seed(pairs) -> str:
+    """Over ``pairs`` (each ``{weighting: JSON row}`` of one rule and setting), per seed, the range of the first
+    weighting's final accuracy minus the mean of the others': whether a gap in the means holds seed by seed (empty
+    when a row has no ``per_seed``, as in files written before session 40)."""
+    first = FLAGS.weightings[0]
+    pairs = [runs for runs in pairs if first in runs and all(PER_SEED in row for row in runs.values())]
+    if not pairs:
+        return ""
+    diffs = np.stack([np.asarray(runs[first][PER_SEED]["accuracy"])
+                      - np.mean([row[PER_SEED]["accuracy"] for w, row in runs.items() if w != first], axis=0)
+                      for runs in pairs])  # [pairs, seeds]
+    seeds = pairs[0][first][PER_SEED]["seed"]
+    ranges = ", ".join(f"seed {seed} {d.min():+.4f} to {d.max():+.4f}" for seed, d in zip(seeds, diffs.T))
+    return (f" Paired by seed over those {len(pairs)} pairs, {first} minus the mean of the other weightings: "
+            f"{ranges}.")
 
 
 def retention_table(here) -> list[str]:

@@ -507,6 +507,15 @@ def test_bfl_rules_tabulates_the_client_weightings(tmp_path):
     assert "are ahead of NWA/LP under distance weights (worst of the first group minus best of the second +0.1450" in text
     assert "Here 1 of 2 rule-and-setting pairs move by more than 0.01" in text
     assert "the widest gap is 0.1500 (wc, E = 1, iid" in text
+    assert "Paired by seed" not in text  # rows without per_seed: no paired line
+    # with per-seed values, the wide pair (wc) is read seed by seed: distance minus by_size per seed
+    saved["1 2 iid wc"]["per_seed"] = {"seed": [0, 1], "accuracy": [0.85, 0.75]}
+    saved["1 2 iid wc/distance"]["per_seed"] = {"seed": [0, 1], "accuracy": [0.84, 1.0]}
+    out_file.with_suffix(".json").write_text(json.dumps(saved))
+    _script("experiments.bfl_rules", "--report_only", "--settings=1:2", "--partitions=iid", "--seeds=0,1",
+            "--rules=wc,nwa,conflation", "--weightings=distance,by_size", f"--results_file={out_file}")
+    assert ("Paired by seed over those 1 pairs, distance minus the mean of the other weightings: seed 0 -0.0100 to "
+            "-0.0100, seed 1 +0.2500 to +0.2500.") in out_file.read_text()
 
 
 def test_bfl_rules_logs_the_dirichlet_client_sizes(tmp_path):
