@@ -406,9 +406,8 @@ def classification_report(section: Section, records, data) -> list[str]:
                      if "fedref_layer_shift_ratio" in r]
             lines.append(f"| {m} | {_mean_sd([r['global_accuracy'][-1] for r in runs])} | "
                          f"{_mean_sd([max(r['global_accuracy']) for r in runs])} | "
-                         f"{_mean_sd([r['global_loss'][-1] for r in runs])} | "
-                         f"{_mean_sd(corr) if corr else '-'} |" + (f" {_mean_sd(ratio, 3) if ratio else '-'} |"
-                                                                   if shifts else ""))
+                         f"{_mean_sd([r['global_loss'][-1] for r in runs])} | {_mean_sd(corr) if corr else '-'} |"
+                         + (f" {_mean_sd(ratio, 3) if ratio else '-'} |" if shifts else ""))
         lines += shift_sign(section, part)
         shown = _shown_rounds(len(part[0]["global_accuracy"]))
         lines += ["", f"Accuracy / loss per round (mean over seeds; rounds {', '.join(map(str, shown))}; every "
